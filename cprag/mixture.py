@@ -1,0 +1,120 @@
+"""The CPLM output distribution as pure functions in log space.
+
+Notation (see docs/cplm-design.md): for a position t with LM logits `l` (V), `<copy>` logit `c`,
+copy scores `s_j` over a memory of M entries each pasting token `tok_j`, and a sink score `s_0`:
+
+    q = softmax([l ; c]),  g = q[<copy>],  p_gen = softmax(l)
+    a = softmax([s_0 ; s_1..s_M])                              (a_0 is the sink)
+    p(x) = (1 - g + g·a_0)·p_gen(x) + g·Σ_{j: tok_j = x} a_j
+
+Every function works on arbitrary leading dimensions (written `...`) and never leaves log space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def safe_logsumexp(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """logsumexp that returns -inf for an all -inf slice with zero (not NaN) gradients.
+
+    torch.logsumexp's backward computes exp(-inf - -inf) = NaN on such slices, and a masked copy memory produces
+    them whenever a target token is absent from memory.
+    """
+    peak = values.amax(dim=dim, keepdim=True).detach()
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    total = (values - peak).exp().sum(dim=dim)
+    nonzero = total > 0
+    return torch.where(nonzero, torch.where(nonzero, total, 1.0).log() + peak.squeeze(dim), NEG_INF)
+
+
+@dataclass
+class GateLogProbs:
+    log_g: torch.Tensor  # (...)    log of the copy gate g
+    log_1mg: torch.Tensor  # (...)  log(1 - g)
+    log_p_gen: torch.Tensor  # (..., V)
+
+
+@dataclass
+class CopyLogProbs:
+    log_a: torch.Tensor  # (..., M)  log attention on each memory entry (-inf where masked)
+    log_a_sink: torch.Tensor  # (...)
+
+
+def gate_log_probs(lm_logits: torch.Tensor, copy_logit: torch.Tensor) -> GateLogProbs:
+    """Split the (V+1)-way LM head softmax into the gate and the generator distribution."""
+    lse_vocab = torch.logsumexp(lm_logits, dim=-1)  # (...)
+    lse_all = torch.logaddexp(lse_vocab, copy_logit)  # (...)
+    return GateLogProbs(
+        log_g=copy_logit - lse_all,
+        log_1mg=lse_vocab - lse_all,
+        log_p_gen=lm_logits - lse_vocab.unsqueeze(-1),
+    )
+
+
+def copy_log_probs(scores: torch.Tensor, sink_score: torch.Tensor, mask: torch.Tensor | None) -> CopyLogProbs:
+    """Softmax over the sink and the memory entries that `mask` allows.
+
+    scores: (..., M), sink_score: (...), mask: broadcastable to (..., M), True where an entry may be attended.
+    """
+    if mask is not None:
+        scores = scores.masked_fill(~mask, NEG_INF)
+    lse = torch.logaddexp(safe_logsumexp(scores, dim=-1), sink_score)  # (...)
+    return CopyLogProbs(log_a=scores - lse.unsqueeze(-1), log_a_sink=sink_score - lse)
+
+
+def scatter_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """out[..., v] = log Σ_{j: index[..., j] = v} exp(values[..., j]); -inf where no j maps to v.
+
+    values: (..., M), index: (..., M) or (M,) int64. Exact in log space: each bucket is shifted by its own max.
+    """
+    index = index.expand_as(values)
+    out_shape = values.shape[:-1] + (size,)
+    bucket_max = torch.full(out_shape, NEG_INF, dtype=values.dtype, device=values.device)
+    bucket_max = bucket_max.scatter_reduce(-1, index, values, reduce="amax", include_self=True)
+    shift = bucket_max.gather(-1, index)  # (..., M)
+    # entries that are -inf (masked) contribute exp(-inf) = 0; a bucket whose max is -inf stays empty
+    shifted = torch.where(torch.isfinite(shift), values - shift, torch.full_like(values, NEG_INF))
+    sums = torch.zeros(out_shape, dtype=values.dtype, device=values.device).scatter_add(-1, index, shifted.exp())
+    filled = torch.isfinite(bucket_max)
+    # log of an empty bucket's zero sum would poison gradients with 0/0, so it never reaches the log
+    return torch.where(filled, torch.where(filled, sums, 1.0).log() + bucket_max, bucket_max)
+
+
+def generator_weight_log(gate: GateLogProbs, copy: CopyLogProbs) -> torch.Tensor:
+    """log(1 - g + g·a_sink): the total weight p_gen receives, sink mass included. Shape (...)."""
+    return torch.logaddexp(gate.log_1mg, gate.log_g + copy.log_a_sink)
+
+
+def mixture_log_probs(gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor) -> torch.Tensor:
+    """Full mixture log p(x) over the vocabulary. copy_ids: (..., M) or (M,), the token each entry pastes.
+
+    Returns (..., V).
+    """
+    vocab = gate.log_p_gen.shape[-1]
+    generated = generator_weight_log(gate, copy).unsqueeze(-1) + gate.log_p_gen  # (..., V)
+    copied = gate.log_g.unsqueeze(-1) + scatter_logsumexp(copy.log_a, copy_ids, vocab)  # (..., V)
+    return torch.logaddexp(generated, copied)
+
+
+def mixture_target_log_probs(
+    gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """log p(target) without building the (..., V) copy distribution. targets: (...) int64. Returns (...)."""
+    log_p_gen_target = gate.log_p_gen.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    generated = generator_weight_log(gate, copy) + log_p_gen_target
+    same_token = copy_ids.expand_as(copy.log_a) == targets.unsqueeze(-1)  # (..., M)
+    copied = gate.log_g + safe_logsumexp(copy.log_a.masked_fill(~same_token, NEG_INF), dim=-1)
+    return torch.logaddexp(generated, copied)
+
+
+def mixture_nll(
+    gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Weighted mean NLL of the mixture. weights: (...) float, 0 where a position is not a target."""
+    log_p = mixture_target_log_probs(gate, copy, copy_ids, targets.clamp(min=0))
+    return -(log_p * weights).sum() / weights.sum().clamp(min=1e-9)

@@ -1,0 +1,147 @@
+"""The CPLM on tiny random Llama configs: distribution, causality, gradients, save/load, GGUF loading."""
+
+import torch
+from tiny_models import BOS, VOCAB_SIZE, tiny_cplm, write_tiny_gguf
+from transformers import AutoModel, AutoModelForCausalLM
+
+from cprag.backbone import gguf_reference, load_backbone
+from cprag.checkpoint import model_fingerprint, new_cplm
+from cprag.model import CopyMemory
+
+
+def inputs(seed=0, batch=2, length=12):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB_SIZE, (batch, length), generator=gen)
+
+
+def test_mixture_over_the_vocabulary_sums_to_one():
+    model = tiny_cplm(key_sees_token=True)
+    memory = model.document_keys(inputs(1, length=20))
+    out = model(inputs(), memory=memory)
+    assert out.log_probs.shape == (2, 12, VOCAB_SIZE)
+    assert torch.allclose(out.log_probs.exp().sum(-1), torch.ones(2, 12), atol=1e-5)
+
+
+def test_gate_forced_shut_equals_the_base_lm():
+    model = tiny_cplm()
+    with torch.no_grad():
+        model.copy_gate.bias.fill_(-1e4)
+    x = inputs()
+    out = model(x, memory=model.document_keys(inputs(3)))
+    base = torch.log_softmax(model.lm_logits(model.backbone(x).last_hidden_state), -1)
+    assert torch.allclose(out.log_probs, base, atol=1e-5)
+
+
+def test_initial_gate_is_open_near_one_half_for_logits_of_the_design_scale():
+    model = tiny_cplm()
+    assert model.copy_gate.bias.item() == model.config.copy_bias_init == 25.0
+
+
+def test_no_position_copies_from_a_later_one():
+    model = tiny_cplm()
+    x = inputs(length=10)
+    out = model(x, return_log_probs=False)
+    attention = out.copy_log_attention[0].exp()  # (T, T): context entries only, no external memory
+    later_or_self = torch.triu(torch.ones(10, 10, dtype=torch.bool))
+    assert attention[later_or_self].abs().max() == 0
+    # and changing a later token never changes an earlier position's distribution
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 1) % VOCAB_SIZE
+    assert torch.allclose(model(x).log_probs[:, :7], model(y).log_probs[:, :7], atol=1e-6)
+
+
+def test_copy_memory_entries_paste_their_next_token():
+    model = tiny_cplm()
+    doc = inputs(4, batch=1, length=9)
+    memory = model.document_keys(doc)
+    assert memory.keys.shape == (1, 8, 8) and torch.equal(memory.ids, doc[:, 1:])
+
+
+def test_a_copy_from_memory_puts_mass_on_its_token():
+    model = tiny_cplm()
+    doc = inputs(5, batch=1, length=6)
+    memory = model.document_keys(doc)
+    with torch.no_grad():  # shut the generator out: gate open, sink off, all mass on memory entry 2
+        model.copy_gate.bias.fill_(1e4)
+        model.cp_head.sink_bias.fill_(-1e4)
+    mask = torch.zeros_like(memory.ids, dtype=torch.bool)
+    mask[0, 2] = True
+    out = model(inputs(6, batch=1, length=1), memory=CopyMemory(memory.keys, memory.ids, mask))
+    assert torch.allclose(out.log_probs[0, 0, doc[0, 3]].exp(), torch.tensor(1.0), atol=1e-5)
+
+
+def test_incremental_decoding_with_kv_cache_matches_a_full_pass():
+    model = tiny_cplm(key_sees_token=True)
+    x, memory = inputs(length=10), model.document_keys(inputs(7, length=15))
+    full = model(x, memory=memory).log_probs
+    first = model(x[:, :6], memory=memory, use_cache=True)
+    second = model(x[:, 6:], memory=memory, context=first.context, use_cache=True)
+    assert torch.allclose(torch.cat([first.log_probs, second.log_probs], 1), full, atol=1e-5)
+
+
+def backbone_grad_norm(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return sum(p.grad.abs().sum().item() for p in model.backbone.parameters() if p.grad is not None)
+
+
+def test_gradients_reach_the_backbone_through_the_cp_head_unless_stopped():
+    for stop, expect_grad in [(False, True), (True, False)]:
+        model = tiny_cplm(stop_cp_grad=stop).train()
+        out = model(inputs(), memory=model.document_keys(inputs(8)), return_log_probs=False)
+        # a loss on the copy attention alone: it depends on the backbone only through the CP head
+        copy_only = -torch.logsumexp(out.copy_log_attention, -1).mean()
+        assert (backbone_grad_norm(model, copy_only) > 0) == expect_grad
+        assert model.cp_head.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_nll_loss_trains_the_backbone_and_the_head():
+    model = tiny_cplm().train()
+    x = inputs()
+    targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], 1)
+    out = model(x, memory=model.document_keys(inputs(9)), targets=targets, return_log_probs=False)
+    manual = model(x, memory=model.document_keys(inputs(9))).log_probs[:, :-1].gather(-1, x[:, 1:, None])
+    assert torch.allclose(out.loss, -manual.mean(), atol=1e-5)
+    assert backbone_grad_norm(model, out.loss) > 0
+
+
+def test_save_and_load_round_trip_through_the_auto_classes(tmp_path):
+    model = tiny_cplm(key_sees_token=True)
+    model.save_pretrained(tmp_path)
+    for auto in (AutoModel, AutoModelForCausalLM):
+        loaded = auto.from_pretrained(tmp_path).eval()
+        x, docs = inputs(), inputs(10)
+        assert torch.equal(model(x, memory=model.document_keys(docs)).log_probs,
+                           loaded(x, memory=loaded.document_keys(docs)).log_probs)
+        assert model_fingerprint(loaded) == model_fingerprint(model)
+
+
+def test_gguf_file_loads_with_identical_weights_and_a_working_tokenizer(tmp_path):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf")
+    backbone, tokenizer = load_backbone(gguf_reference(tmp_path / "tiny.gguf"))
+    ids = tokenizer("the heat")["input_ids"]
+    assert tokenizer.decode(ids) == "the heat"
+    x = torch.tensor([ids])
+    assert torch.allclose(backbone(x).last_hidden_state, source(x).last_hidden_state, atol=1e-6)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
+    assert chat[0] == BOS
+
+
+def test_checkpoint_on_a_gguf_base_stores_only_trained_tensors(tmp_path):
+    write_tiny_gguf(tmp_path / "base.gguf")
+    model, _ = new_cplm(gguf_reference(tmp_path / "base.gguf"), key_dim=8, copy_bias_init=1.0)
+    layer = "layers.1.mlp.down_proj.weight"
+    with torch.no_grad():
+        model.backbone.get_parameter(layer).add_(0.01)
+        model.cp_head.q_proj.weight.add_(0.5)
+    model.config.trained_backbone_params = [layer]
+    model.save_pretrained(tmp_path / "ckpt")
+    from safetensors.torch import load_file
+
+    stored = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert f"backbone.{layer}" in stored and not any(k.startswith("backbone.embed") for k in stored)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    x = inputs()
+    assert torch.equal(model(x).log_probs, loaded(x).log_probs)
+    assert model_fingerprint(model) == model_fingerprint(loaded)

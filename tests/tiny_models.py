@@ -1,0 +1,110 @@
+"""Tiny random models for tests: a Llama config, a CPLM on it, and a GGUF file written from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModel, LlamaConfig
+
+from cprag.config import CPLMConfig
+from cprag.model import CPLMForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġ", "a")]
+VOCAB_SIZE = 256 + len(MERGES) + len(SPECIAL_TOKENS)
+BOS, EOS = VOCAB_SIZE - 2, VOCAB_SIZE - 1
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode alphabet: a byte-level BPE vocabulary with no merges."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for _, c in sorted(zip(printable, codes, strict=True))]
+
+
+def tiny_llama_config(vocab_size: int = VOCAB_SIZE, hidden: int = 32, layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS, rms_norm_eps=1e-5,
+    )
+
+
+def tiny_cplm(seed: int = 0, **config) -> CPLMForCausalLM:
+    torch.manual_seed(seed)
+    backbone = tiny_llama_config()
+    return CPLMForCausalLM(CPLMConfig(backbone_config=backbone.to_dict(), key_dim=8, **config)).eval()
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    # llama.cpp stores q/k rotary halves interleaved; transformers undoes this on load
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape
+    )
+
+
+def write_tiny_gguf(path: Path, seed: int = 0):
+    """Write a random 2-layer Llama with a byte-level tokenizer as an F32 GGUF. Returns the source LlamaModel."""
+    import gguf
+
+    torch.manual_seed(seed)
+    config = tiny_llama_config()
+    model = AutoModel.from_config(config).eval()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-test-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    normal = byte_tokens() + ["".join(pair) for pair in MERGES]
+    writer.add_token_list(normal + SPECIAL_TOKENS)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(normal) + [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS))
+    writer.add_token_merges([" ".join(pair) for pair in MERGES])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    def tensor(name: str, value: torch.Tensor) -> None:
+        writer.add_tensor(name, value.detach().float().numpy().copy())
+
+    tensor("token_embd.weight", model.embed_tokens.weight)
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        tensor(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(attn.q_proj.weight.detach().numpy(),
+                                                            config.num_attention_heads).copy())
+        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(attn.k_proj.weight.detach().numpy(),
+                                                            config.num_key_value_heads).copy())
+        tensor(f"blk.{i}.attn_v.weight", attn.v_proj.weight)
+        tensor(f"blk.{i}.attn_output.weight", attn.o_proj.weight)
+        tensor(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        tensor(f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight)
+        tensor(f"blk.{i}.ffn_up.weight", mlp.up_proj.weight)
+        tensor(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight)
+    tensor("output_norm.weight", model.norm.weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
