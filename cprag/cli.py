@@ -126,6 +126,162 @@ def score_command(
     out.print(f"total log p: CPLM {result.log_p:.3f} vs base LM {result.log_p_base:.3f}")
 
 
+INDEX_OPTION = typer.Option(Path("indexes/default"), "--index", "-i", help="Index directory.")
+
+
+@app.command("index")
+@reports_errors
+def index_command(
+    corpus: Path = typer.Argument(..., help="JSONL ({id, text, title?}), SQuAD .json, or a folder of .txt/.md."),
+    index: Path = INDEX_OPTION,
+    rebuild: bool = typer.Option(False, "--rebuild", help="Discard the existing index and start over."),
+    max_passage_tokens: int = typer.Option(384, "--max-passage-tokens", help="Split longer documents."),
+    chunk: int = typer.Option(64, "--chunk", help="Passages per committed chunk (the resume granularity)."),
+    checkpoint: Path = CHECKPOINT_OPTION,
+    as_json: bool = JSON_OPTION,
+):
+    """Encode a corpus into CP keys (LanceDB) and a FAISS index; reruns add only new or changed documents.
+
+    Example: cprag index examples/corpus.jsonl --index indexes/demo
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from cprag.checkpoint import load_model
+    from cprag.indexing import IndexConfig, build_index
+    from cprag.retrieve import MiniLMEmbedder
+
+    config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild)
+    with err.status("loading the model and the retriever"):
+        model, tokenizer = load_model(checkpoint)
+        embedder = MiniLMEmbedder()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    progress = Progress(*columns, console=err, transient=as_json)
+    task = None
+
+    def on_progress(stage: str, done: int, total: int) -> None:
+        nonlocal task
+        if task is None:  # shown once encoding starts, so early errors stay one clean line
+            progress.start()
+            task = progress.add_task("encoding passages", total=total)
+        progress.update(task, completed=done, total=total)
+
+    try:
+        report = build_index(corpus, index, model, tokenizer, embedder, config, on_progress)
+    finally:
+        progress.stop()
+    for skipped in report.skipped:
+        err.print(f"[yellow]skipped[/] {skipped.source}: {skipped.reason}", highlight=False)
+    summary = {
+        "index": report.index, "documents": report.documents, "passages": report.passages,
+        "encoded": report.encoded, "unchanged": report.unchanged, "removed": report.removed,
+        "skipped": [vars(s) for s in report.skipped], "tokens_encoded": report.tokens_encoded,
+        "encode_tokens_per_second": round(report.encode_tokens_per_second, 1), "seconds": round(report.seconds, 2),
+        "bytes_per_token": report.manifest["bytes_per_token"],
+    }
+    if as_json:
+        emit_json(summary)
+    else:
+        out.print(f"indexed {report.documents} documents into {report.index}: {report.encoded} passages encoded, "
+                  f"{report.unchanged} unchanged, {len(report.skipped)} skipped, "
+                  f"{report.manifest['bytes_per_token']} bytes/token in {report.seconds:.1f}s")
+
+
+@app.command("ask")
+@reports_errors
+def ask_command(
+    question: str = typer.Argument(None, help="The question (or use --questions)."),
+    index: Path = INDEX_OPTION,
+    k: int = typer.Option(5, "-k", help="Passages to retrieve."),
+    visible: bool = typer.Option(False, "--visible", help="Baseline: put the passages in the prompt instead."),
+    closed: bool = typer.Option(False, "--closed", help="Baseline: no passages at all."),
+    questions: Path = typer.Option(None, "--questions", help="File of questions: one per line, or JSONL."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    checkpoint: Path = CHECKPOINT_OPTION,
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    as_json: bool = JSON_OPTION,
+):
+    """Answer from hidden documents: retrieve k passages, load their keys, and let the CP head copy the answer.
+
+    Example: cprag ask "When was the lighthouse at Varna Point built?" --index indexes/demo
+    """
+    from cprag.api import Index
+    from cprag.errors import ConfigError
+
+    if (question is None) == (questions is None):
+        raise ConfigError("QUESTION/--questions", question or questions, "give a question or --questions, not both")
+    if visible and closed:
+        raise ConfigError("--visible/--closed", True, "choose one baseline")
+    mode = "visible" if visible else "closed" if closed else "hidden"
+    batch = [question] if questions is None else read_questions(questions)
+    with err.status("loading the model and the index"):
+        opened = Index(index, checkpoint=checkpoint, device=device)
+    for item in batch:
+        answer = opened.ask(item, k=k, mode=mode, max_new_tokens=max_new_tokens)
+        if as_json:
+            emit_json(answer.to_json())
+        else:
+            render_answer(answer, opened)
+    if not as_json and len(batch) > 1:
+        err.print(f"key cache: {opened.cache.stats()}")
+
+
+def render_answer(answer, opened) -> None:
+    from rich.panel import Panel
+    from rich.text import Text
+
+    out.print(Panel(Text(answer.answer or "(no answer)", style="bold"), title=answer.question, subtitle=answer.mode))
+    for number, citation in enumerate(answer.citations, start=1):
+        stored = next(p for p in opened.cache.entries.values() if p.passage.doc_id == citation.doc_id).passage
+        local_start = citation.start - stored.char_start
+        local_end = citation.end - stored.char_start
+        text = Text(stored.text)
+        text.stylize("bold black on yellow", local_start, local_end)
+        out.print(Panel(text, title=f"[{number}] {citation.doc_id}: {citation.title}", title_align="left"))
+    passages = ", ".join(f"{p['doc_id']} ({p['score']:.2f})" for p in answer.passages)
+    timings = ", ".join(f"{name} {ms:.0f} ms" for name, ms in answer.timings_ms.items())
+    out.print(f"copy rate {answer.copy_rate:.0%} · passages: {passages or 'none'}\n{timings}", highlight=False)
+
+
+def read_questions(path: Path) -> list[str]:
+    from cprag.errors import ConfigError
+
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("--questions", str(path), f"cannot read the file: {error}") from None
+    result = []
+    for number, line in enumerate(lines, start=1):
+        if line.lstrip().startswith("{"):
+            try:
+                result.append(str(json.loads(line)["question"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError("--questions", f"{path}:{number}", 'expected JSON with a "question" field') from None
+        else:
+            result.append(line.strip())
+    if not result:
+        raise ConfigError("--questions", str(path), "no questions in the file")
+    return result
+
+
+@app.command("info")
+@reports_errors
+def info_command(index: Path = INDEX_OPTION, as_json: bool = JSON_OPTION):
+    """Print an index's manifest and sizes, including bytes_per_token (keys + token ids per stored token).
+
+    Example: cprag info --index indexes/demo --json
+    """
+    from cprag.api import index_info
+
+    info = index_info(index)
+    if as_json:
+        emit_json(info)
+        return
+    table = Table(show_header=False, box=None)
+    for key, value in sorted(info.items()):
+        table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+    out.print(table)
+
+
 def read_text_argument(value: str) -> str:
     from cprag.errors import ConfigError
 

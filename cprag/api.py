@@ -1,0 +1,104 @@
+"""The Python API, mirroring the CLI: `Index(path).ask(question)`, `ask(question, index=path)`, `index_info`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cprag.cache import KeyCache
+from cprag.checkpoint import load_model, model_fingerprint
+from cprag.errors import ConfigError, IndexCorrupt, TooFewPassages
+from cprag.generate import MODES, Citation, generate
+from cprag.retrieve import MiniLMEmbedder, PassageIndex
+from cprag.store import PassageStore, check_model, directory_bytes, read_manifest
+
+
+@dataclass
+class Answer:
+    question: str
+    answer: str
+    mode: str
+    citations: list[Citation]
+    passages: list[dict]  # {"doc_id", "passage_id", "score"} in retrieval order
+    copy_rate: float
+    timings_ms: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        payload = asdict(self)
+        payload["citations"] = [asdict(c) for c in self.citations]
+        return payload
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Index:
+    """An opened index with its generator, retriever and key-shard cache, reused across questions."""
+
+    def __init__(self, path: str | Path, checkpoint: str | Path | None = None, device: str | None = None,
+                 model=None, tokenizer=None, cache_bytes: int = 512 * 2**20):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        if self.manifest.get("status") != "complete":
+            raise IndexCorrupt(str(self.path), "the last build did not finish: rerun cprag index to complete it")
+        self.device = device or default_device()
+        dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        if model is None:
+            model, tokenizer = load_model(checkpoint)
+            model = model.to(self.device, dtype)
+        check_model(self.path, self.manifest, model_fingerprint(model))
+        self.model, self.tokenizer = model, tokenizer
+        self.embedder = MiniLMEmbedder(self.device)
+        self.store = PassageStore(self.path, self.manifest["retriever"]["dim"])
+        self.passage_index = PassageIndex.load(self.path)
+        self.cache = KeyCache(self.device, next(model.parameters()).dtype, max_bytes=cache_bytes)
+
+    def __len__(self) -> int:
+        return len(self.passage_index)
+
+    def retrieve(self, questions: list[str], k: int):
+        if k < 1:
+            raise ConfigError("-k", k, "must be at least 1")
+        if k > len(self):
+            raise TooFewPassages(k, len(self))
+        return self.passage_index.search(self.embedder.embed(questions), k)
+
+    def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32) -> Answer:
+        if mode not in MODES:
+            raise ConfigError("--mode", mode, f"expected one of {', '.join(MODES)}")
+        timings = {}
+        tick = time.perf_counter()
+        hits = self.retrieve([question], k)[0] if mode != "closed" else []
+        timings["retrieve"] = (time.perf_counter() - tick) * 1000
+        tick = time.perf_counter()
+        passages = self.cache.get([h.passage_id for h in hits], self.store.fetch)
+        timings["load_keys"] = (time.perf_counter() - tick) * 1000
+        tick = time.perf_counter()
+        generation = generate(self.model, self.tokenizer, question, passages, mode, max_new_tokens)
+        timings["generate"] = (time.perf_counter() - tick) * 1000
+        timings["total"] = sum(timings.values())
+        return Answer(
+            question=question, answer=generation.answer, mode=mode, citations=generation.citations,
+            passages=[{"doc_id": p.passage.doc_id, "passage_id": h.passage_id, "score": round(h.score, 4)}
+                      for p, h in zip(passages, hits, strict=True)],
+            copy_rate=round(generation.copy_rate, 3),
+            timings_ms={name: round(ms, 1) for name, ms in timings.items()},
+        )
+
+
+def ask(question: str, index: str | Path, k: int = 5, mode: str = "hidden", **kwargs) -> Answer:
+    """One question against an index (opens it; keep an `Index` to reuse its cache across questions)."""
+    return Index(index, **kwargs).ask(question, k=k, mode=mode)
+
+
+def index_info(path: str | Path) -> dict:
+    """The manifest plus on-disk sizes, without loading any model."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    manifest["disk_bytes"] = directory_bytes(path)
+    manifest["key_store_bytes"] = directory_bytes(path / "lancedb") if (path / "lancedb").is_dir() else 0
+    return manifest

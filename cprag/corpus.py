@@ -1,0 +1,175 @@
+"""Reading corpora (JSONL, folders of .txt/.md, SQuAD JSON) and splitting documents into passages that fit.
+
+Bad inputs never stop a run: empty, binary or non-UTF-8 files and invalid JSON lines are skipped and reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cprag.errors import CorpusError
+
+TEXT_SUFFIXES = {".txt", ".md"}
+
+
+@dataclass
+class Document:
+    id: str
+    text: str
+    title: str = ""
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def content_hash(self) -> str:
+        payload = json.dumps([self.title, self.text, self.metadata], sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Skipped:
+    source: str
+    reason: str
+
+
+@dataclass
+class Corpus:
+    documents: list[Document]
+    skipped: list[Skipped]
+
+
+@dataclass
+class Passage:
+    passage_id: str  # DOC_ID, or DOC_ID@N when a document is split
+    doc_id: str
+    title: str
+    text: str
+    char_start: int  # offset of the passage in its document's text
+    doc_hash: str
+
+
+def read_corpus(path: str | Path) -> Corpus:
+    """Documents from a JSONL file, a SQuAD JSON file, or a folder of .txt/.md files (recursively)."""
+    path = Path(path)
+    if not path.exists():
+        raise CorpusError(str(path), "no such file or directory")
+    skipped: list[Skipped] = []
+    if path.is_dir():
+        documents = list(_read_folder(path, skipped))
+    elif path.suffix == ".jsonl":
+        documents = list(_read_jsonl(path, skipped))
+    elif path.suffix == ".json":
+        documents = _read_squad(path)
+    elif path.suffix in TEXT_SUFFIXES:
+        documents = list(_read_folder_files([path], path.parent, skipped))
+    else:
+        raise CorpusError(str(path), "expected a .jsonl or SQuAD .json file, or a folder of .txt/.md files")
+    unique: dict[str, Document] = {}
+    for document in documents:
+        if document.id in unique:
+            skipped.append(Skipped(f"{path}:{document.id}", "duplicate id; the last one wins"))
+        unique[document.id] = document
+    return Corpus(documents=list(unique.values()), skipped=skipped)
+
+
+def _decode_text(raw: bytes) -> str | None:
+    if b"\x00" in raw[:8192]:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _read_folder(root: Path, skipped: list[Skipped]) -> Iterator[Document]:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    yield from _read_folder_files(files, root, skipped)
+
+
+def _read_folder_files(files: list[Path], root: Path, skipped: list[Skipped]) -> Iterator[Document]:
+    for file in files:
+        text = _decode_text(file.read_bytes())
+        if text is None:
+            skipped.append(Skipped(str(file), "binary or not UTF-8"))
+            continue
+        if not text.strip():
+            skipped.append(Skipped(str(file), "empty"))
+            continue
+        doc_id = file.relative_to(root).as_posix()
+        title = next((line.lstrip("# ").strip() for line in text.splitlines() if line.strip()), file.stem)
+        yield Document(id=doc_id, text=text, title=title[:200], metadata={"path": doc_id})
+
+
+def _read_jsonl(path: Path, skipped: list[Skipped]) -> Iterator[Document]:
+    text = _decode_text(path.read_bytes())
+    if text is None:
+        raise CorpusError(str(path), "binary or not UTF-8")
+    if not text.strip():
+        raise CorpusError(str(path), "the file is empty")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            skipped.append(Skipped(where, f"invalid JSON ({error.msg})"))
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str) or "id" not in record:
+            skipped.append(Skipped(where, 'expected an object with "id" and "text"'))
+            continue
+        if not record["text"].strip():
+            skipped.append(Skipped(where, "empty text"))
+            continue
+        metadata = {k: v for k, v in record.items() if k not in {"id", "text", "title"}}
+        yield Document(id=str(record["id"]), text=record["text"], title=str(record.get("title", "")), metadata=metadata)
+
+
+def _read_squad(path: Path) -> list[Document]:
+    try:
+        data = json.loads(path.read_bytes())
+        articles = data["data"]
+        return [
+            Document(id=f"{article['title']}#{i}", text=paragraph["context"], title=article["title"])
+            for article in articles
+            for i, paragraph in enumerate(article["paragraphs"])
+        ]
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CorpusError(str(path), f"not valid JSON ({error})") from None
+    except (KeyError, TypeError) as error:
+        raise CorpusError(str(path), f"not SQuAD format: missing {error}") from None
+
+
+def split_document(document: Document, tokenizer, max_tokens: int) -> list[Passage]:
+    """Cut a document into passages of at most `max_tokens` tokens, preferring sentence ends, with offsets."""
+    encoded = tokenizer(document.text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    doc_hash = document.content_hash
+    if len(offsets) <= max_tokens:
+        return [Passage(document.id, document.id, document.title, document.text, 0, doc_hash)]
+    passages, start_token = [], 0
+    while start_token < len(offsets):
+        end_token = min(start_token + max_tokens, len(offsets))
+        if end_token < len(offsets):
+            end_token = _sentence_cut(document.text, offsets, start_token, end_token)
+        char_start = offsets[start_token][0]
+        char_end = offsets[end_token][0] if end_token < len(offsets) else len(document.text)
+        passages.append(Passage(
+            f"{document.id}@{len(passages)}", document.id, document.title,
+            document.text[char_start:char_end], char_start, doc_hash,
+        ))
+        start_token = end_token
+    return passages
+
+
+def _sentence_cut(text: str, offsets, start: int, end: int) -> int:
+    """The latest token in the last quarter of [start, end) that begins a new sentence, else `end`."""
+    floor = start + (end - start) * 3 // 4
+    for token in range(end, floor, -1):
+        before = text[: offsets[token][0]].rstrip()
+        if before.endswith((".", "!", "?", "\n")):
+            return token
+    return end

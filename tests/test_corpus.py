@@ -1,0 +1,79 @@
+"""Corpus readers and passage splitting, bad files included."""
+
+import json
+
+import pytest
+from tiny_models import write_tiny_gguf
+
+from cprag.backbone import gguf_reference, load_backbone
+from cprag.corpus import Document, read_corpus, split_document
+from cprag.errors import CorpusError
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return load_backbone(gguf_reference(path), use_cache=False)[1]
+
+
+def test_jsonl_with_titles_metadata_and_bad_lines(tmp_path):
+    lines = [
+        json.dumps({"id": "a", "text": "Alpha text.", "title": "Alpha", "year": 1999}),
+        "{not json",
+        json.dumps({"id": "b", "text": "   "}),
+        json.dumps({"text": "no id"}),
+        json.dumps({"id": 7, "text": "Numeric id."}),
+    ]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    corpus = read_corpus(tmp_path / "c.jsonl")
+    assert [d.id for d in corpus.documents] == ["a", "7"]
+    assert corpus.documents[0].title == "Alpha" and corpus.documents[0].metadata == {"year": 1999}
+    reasons = sorted(s.reason.split(" (")[0] for s in corpus.skipped)
+    assert reasons == ['empty text', 'expected an object with "id" and "text"', "invalid JSON"]
+
+
+def test_folder_of_text_and_markdown_skips_empty_binary_and_non_utf8(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "one.txt").write_text("First document.")
+    (tmp_path / "sub" / "two.md").write_text("# Second\n\nBody of the second.")
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02binary")
+    (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "ignored.pdf").write_bytes(b"%PDF")
+    corpus = read_corpus(tmp_path)
+    assert sorted(d.id for d in corpus.documents) == ["one.txt", "sub/two.md"]
+    assert next(d for d in corpus.documents if d.id == "sub/two.md").title == "Second"
+    assert sorted(s.reason for s in corpus.skipped) == ["binary or not UTF-8", "binary or not UTF-8", "empty"]
+
+
+def test_squad_json_paragraphs_become_title_hash_index_documents(tmp_path):
+    data = {"data": [{"title": "Moon", "paragraphs": [{"context": "The Moon orbits.", "qas": []},
+                                                      {"context": "It has phases.", "qas": []}]}]}
+    (tmp_path / "s.json").write_text(json.dumps(data))
+    corpus = read_corpus(tmp_path / "s.json")
+    assert [(d.id, d.title, d.text) for d in corpus.documents] == [
+        ("Moon#0", "Moon", "The Moon orbits."), ("Moon#1", "Moon", "It has phases.")]
+
+
+def test_unreadable_corpora_raise_one_clear_error(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.json").write_text("{oops")
+    (tmp_path / "notsquad.json").write_text('{"rows": []}')
+    for name, message in [("empty.jsonl", "empty"), ("bad.json", "not valid JSON"), ("notsquad.json", "SQuAD"),
+                          ("missing.jsonl", "no such file")]:
+        with pytest.raises(CorpusError, match=message):
+            read_corpus(tmp_path / name)
+
+
+def test_long_documents_split_into_fitting_passages_with_exact_offsets(tokenizer):
+    text = " ".join(f"Sentence number {i} says something." for i in range(40))
+    document = Document(id="long", text=text, title="Long")
+    passages = split_document(document, tokenizer, max_tokens=100)
+    assert len(passages) > 1
+    assert [p.passage_id for p in passages] == [f"long@{i}" for i in range(len(passages))]
+    for passage in passages:
+        assert len(tokenizer(passage.text, add_special_tokens=False)["input_ids"]) <= 100
+        assert text[passage.char_start : passage.char_start + len(passage.text)] == passage.text
+    assert "".join(p.text for p in passages) == text  # nothing lost or repeated
+    assert split_document(Document(id="s", text="Short."), tokenizer, 100)[0].passage_id == "s"

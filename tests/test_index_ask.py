@@ -1,0 +1,258 @@
+"""Index and ask end to end on a tiny GGUF-based CPLM, with the real LanceDB, FAISS and MiniLM retriever."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import write_tiny_gguf
+from typer.testing import CliRunner
+
+from cprag.api import Index
+from cprag.checkpoint import load_model, new_cplm
+from cprag.cli import app
+from cprag.errors import IndexCorrupt, ModelMismatch, QuestionTooLong, TooFewPassages
+from cprag.generate import generate
+from cprag.indexing import IndexConfig, build_index
+from cprag.retrieve import MiniLMEmbedder
+from cprag.store import PassageStore
+
+DOCS = [
+    {"id": "lighthouse", "title": "Varna Point", "text": "The lighthouse was built in 1871 from granite."},
+    {"id": "bridge", "title": "Glass Bridge", "text": "The glass bridge opened to walkers in 2009."},
+    {"id": "clock", "title": "River Clock", "text": "The river clock rings a bell every hour."},
+    {"id": "geese", "title": "Lake Merrow", "text": "Pink-footed geese arrive at the lake in October."},
+    {"id": "ferry", "title": "Night Ferry", "text": "The night ferry leaves at eleven and arrives at six."},
+]
+
+
+def write_jsonl(path, docs):
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+def tiny_checkpoint(directory, seed=0, copy_everything=False):
+    """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_tiny_gguf(directory / "base.gguf")
+    torch.manual_seed(seed)
+    from cprag.backbone import gguf_reference
+
+    model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0)
+    if copy_everything:
+        with torch.no_grad():
+            model.copy_gate.bias.fill_(1e4)
+            model.cp_head.sink_bias.fill_(-1e4)
+    model.save_pretrained(directory / "ckpt")
+    return directory / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def copying_checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("copying"), copy_everything=True)
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return MiniLMEmbedder()
+
+
+def index_corpus(corpus, index_dir, checkpoint, embedder, **config):
+    model, tokenizer = load_model(checkpoint)
+    return build_index(corpus, index_dir, model, tokenizer, embedder, IndexConfig(max_passage_tokens=120, **config))
+
+
+def stored_rows(index_dir):
+    table = PassageStore(index_dir, 384).table.to_arrow().sort_by("passage_id")
+    return table.select(["passage_id", "doc_hash", "token_ids", "keys"]).to_pylist()
+
+
+def test_index_builds_manifest_rows_and_faiss(tmp_path, checkpoint, embedder):
+    report = index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    manifest = report.manifest
+    assert report.encoded == 5 and manifest["status"] == "complete" and manifest["format_version"] == 1
+    assert manifest["key_dim"] == 8 and manifest["retriever"]["name"] == "all-MiniLM-L6-v2"
+    assert manifest["counts"]["passages"] == 5 and manifest["counts"]["tokens"] > 5 * 20
+    assert manifest["bytes_per_token"] == 2 * 8 + 4  # fp16 key + int32 token id
+    assert len(manifest["model_fingerprint"]) == 64
+    assert (tmp_path / "idx" / "faiss.index").is_file()
+
+
+def test_rerun_upserts_only_new_or_changed_documents_and_drops_stale_passages(tmp_path, checkpoint, embedder):
+    corpus, index_dir = tmp_path / "c.jsonl", tmp_path / "idx"
+    index_corpus(write_jsonl(corpus, DOCS[:3]), index_dir, checkpoint, embedder)
+    long_text = " ".join(f"Long sentence {i} is here." for i in range(30))
+    grown = DOCS[:2] + [{"id": "clock", "title": "River Clock", "text": long_text}] + DOCS[3:]
+    report = index_corpus(write_jsonl(corpus, grown), index_dir, checkpoint, embedder)
+    assert report.encoded == report.passages - 2 and report.unchanged == 2  # new docs + the changed one
+    ids = [row["passage_id"] for row in stored_rows(index_dir)]
+    assert len(ids) == len(set(ids)) and "clock" not in ids and "clock@0" in ids
+    again = index_corpus(corpus, index_dir, checkpoint, embedder)
+    assert again.encoded == 0 and again.unchanged == again.passages
+    shrunk = DOCS[:2] + [{"id": "clock", "title": "River Clock", "text": "Short again."}] + DOCS[3:]
+    index_corpus(write_jsonl(corpus, shrunk), index_dir, checkpoint, embedder)
+    ids = [row["passage_id"] for row in stored_rows(index_dir)]
+    assert sorted(ids) == sorted(d["id"] for d in DOCS)
+
+
+def test_interrupted_build_resumes_without_losing_or_duplicating(tmp_path, checkpoint, embedder):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    clean_dir, broken_dir = tmp_path / "clean", tmp_path / "broken"
+    index_corpus(corpus, clean_dir, checkpoint, embedder, chunk_passages=2)
+
+    def interrupt(stage, done, total):
+        if done >= 2:
+            raise KeyboardInterrupt
+
+    model, tokenizer = load_model(checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(corpus, broken_dir, model, tokenizer, embedder, IndexConfig(120, chunk_passages=2),
+                    on_progress=interrupt)
+    assert json.loads((broken_dir / "manifest.json").read_text())["status"] == "building"
+    with pytest.raises(IndexCorrupt, match="did not finish"):
+        Index(broken_dir, checkpoint=checkpoint)
+    resumed = index_corpus(corpus, broken_dir, checkpoint, embedder, chunk_passages=2)
+    assert resumed.unchanged == 2 and resumed.encoded == 3
+    assert stored_rows(broken_dir) == stored_rows(clean_dir)
+
+
+def test_a_killed_index_process_resumes_cleanly(tmp_path, checkpoint, embedder):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(tmp_path)!r})
+from cprag.checkpoint import load_model
+from cprag.indexing import IndexConfig, build_index
+from cprag.retrieve import MiniLMEmbedder
+model, tokenizer = load_model({str(checkpoint)!r})
+def kill(stage, done, total):
+    if done >= 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+build_index({str(corpus)!r}, {str(tmp_path / 'idx')!r}, model, tokenizer, MiniLMEmbedder(),
+            IndexConfig(120, chunk_passages=1), on_progress=kill)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == -9
+    assert len(stored_rows(tmp_path / "idx")) == 3
+    resumed = index_corpus(corpus, tmp_path / "idx", checkpoint, embedder)
+    assert resumed.encoded == 2 and len(stored_rows(tmp_path / "idx")) == 5
+
+
+def test_an_index_built_by_another_model_is_refused_and_left_intact(tmp_path, checkpoint, embedder):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    index_corpus(corpus, tmp_path / "idx", checkpoint, embedder)
+    before = stored_rows(tmp_path / "idx")
+    other = tiny_checkpoint(tmp_path / "other", seed=1)
+    with pytest.raises(ModelMismatch):
+        Index(tmp_path / "idx", checkpoint=other)
+    with pytest.raises(ModelMismatch):
+        index_corpus(corpus, tmp_path / "idx", other, embedder)
+    result = CliRunner().invoke(app, ["ask", "When?", "--index", str(tmp_path / "idx"), "--checkpoint", str(other)])
+    assert result.exit_code != 0 and "built with model" in result.output
+    assert stored_rows(tmp_path / "idx") == before
+
+
+def test_citation_spans_equal_the_copied_text(tmp_path, copying_checkpoint, embedder):
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", copying_checkpoint, embedder)
+    index = Index(tmp_path / "idx", checkpoint=copying_checkpoint)
+    hits = index.retrieve(["When was the lighthouse built?"], 2)[0]
+    passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
+    generation = generate(index.model, index.tokenizer, "When was the lighthouse built?", passages,
+                          max_new_tokens=12)
+    copied = [(t, s) for t, s in zip(generation.token_ids, generation.sources, strict=True) if s is not None]
+    assert copied and generation.citations
+    for token, (passage, position) in copied:  # every copied token is the stored token it points at
+        assert passages[passage].passage.keys.ids[position] == token
+    runs = []  # rebuild the runs of consecutive copies and compare each with its citation
+    for token, source in zip(generation.token_ids, generation.sources, strict=True):
+        if source is None:
+            continue
+        if runs and runs[-1][0] == source[0] and runs[-1][2] + 1 == source[1]:
+            runs[-1] = (source[0], runs[-1][1] + [token], source[1])
+        else:
+            runs.append((source[0], [token], source[1]))
+    assert len(runs) == len(generation.citations)
+    for (passage, tokens, _), citation in zip(runs, generation.citations, strict=True):
+        document = next(d for d in DOCS if d["id"] == citation.doc_id)
+        assert citation.text == document["text"][citation.start : citation.end]
+        assert index.tokenizer.decode(tokens).strip() == citation.text.strip()
+
+
+def test_key_shards_are_reused_across_questions_and_evicted_lru(tmp_path, checkpoint, embedder):
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    index = Index(tmp_path / "idx", checkpoint=checkpoint)
+    loads = []
+    fetch = index.store.fetch
+    index.store.fetch = lambda ids: loads.append(list(ids)) or fetch(ids)
+    index.ask("When did the glass bridge open?", k=2, max_new_tokens=2)
+    index.ask("When did the glass bridge open?", k=2, max_new_tokens=2)
+    assert len(loads) == 1 and index.cache.hits == 2 and index.cache.misses == 2
+    sizes = {pid: p.n_tokens for pid, p in index.store.fetch(["ferry", "geese"]).items()}
+    index.cache.max_bytes = sum(n * (8 * 4 + 8) for n in sizes.values())  # fp32 keys (D=8) + int64 ids
+    index.ask("What time does the night ferry leave?", k=1, max_new_tokens=2)
+    index.ask("When do the geese arrive?", k=1, max_new_tokens=2)
+    assert len(index.cache.entries) == 2 and index.cache.bytes <= index.cache.max_bytes
+
+
+def test_ask_json_schema_and_batch_questions(tmp_path, checkpoint, embedder):
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "When was the lighthouse built?"}\n{"question": "When do geese arrive?"}\n')
+    base = ["--index", str(tmp_path / "idx"), "--checkpoint", str(checkpoint), "-k", "2", "--max-new-tokens", "4"]
+    result = CliRunner().invoke(app, ["ask", "--questions", str(questions), "--json", *base])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert {"question", "answer", "citations", "passages", "timings_ms"} <= set(line)
+        assert all(set(c) >= {"doc_id", "title", "start", "end", "text"} for c in line["citations"])
+        assert [set(p) >= {"doc_id", "score"} for p in line["passages"]] == [True, True]
+        assert all(p["doc_id"] in {d["id"] for d in DOCS} for p in line["passages"])
+        assert set(line["timings_ms"]) >= {"retrieve", "load_keys", "generate", "total"}
+    visible = CliRunner().invoke(app, ["ask", "When?", "--visible", "--json", *base])
+    assert visible.exit_code == 0 and json.loads(visible.stdout)["mode"] == "visible"
+    info = CliRunner().invoke(app, ["info", "--index", str(tmp_path / "idx"), "--json"])
+    assert json.loads(info.stdout)["bytes_per_token"] == 20
+
+
+def test_bad_input_gets_one_line_errors_and_keeps_the_index(tmp_path, checkpoint, embedder):
+    index_dir = tmp_path / "idx"
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), index_dir, checkpoint, embedder)
+    before = stored_rows(index_dir)
+    runner = CliRunner()
+    base = ["--checkpoint", str(checkpoint)]
+    cases = [
+        (["ask", "When?", "--index", str(tmp_path / "nowhere"), *base], "no cprag index"),
+        (["ask", "When?", "--index", str(index_dir), "-k", "9", *base], "more passages than the index holds"),
+        (["ask", "why " * 200, "--index", str(index_dir), *base], "window"),
+        (["index", str(tmp_path / "empty.jsonl"), "--index", str(index_dir), "--max-passage-tokens", "120", *base],
+         "empty"),
+        (["info", "--index", str(tmp_path / "nowhere")], "no cprag index"),
+    ]
+    (tmp_path / "empty.jsonl").write_text("")
+    for args, message in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code != 0, args
+        assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert stored_rows(index_dir) == before
+    index = Index(index_dir, checkpoint=checkpoint)
+    with pytest.raises(TooFewPassages):
+        index.ask("When?", k=6)
+    with pytest.raises(QuestionTooLong):
+        index.ask("why " * 200, k=1)
+
+
+def test_python_api_mirrors_the_cli(tmp_path, checkpoint, embedder):
+    import cprag
+
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    answer = cprag.ask("When did the glass bridge open?", index=tmp_path / "idx", k=1, checkpoint=checkpoint)
+    assert answer.passages[0]["doc_id"] == "bridge" and isinstance(answer.answer, str)
+    assert 0.0 <= answer.copy_rate <= 1.0 and answer.timings_ms["total"] > 0
+    assert cprag.index_info(tmp_path / "idx")["counts"]["documents"] == 5
