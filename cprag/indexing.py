@@ -61,7 +61,8 @@ class IndexReport:
 def kv_cache_bytes_per_token(backbone_config, bytes_per_value: int = 2) -> int:
     """2 (K and V) x layers x kv heads x head dim values per token, in bf16 by default."""
     heads = backbone_config.num_key_value_heads or backbone_config.num_attention_heads
-    head_dim = getattr(backbone_config, "head_dim", None) or backbone_config.hidden_size // backbone_config.num_attention_heads
+    head_dim = getattr(backbone_config, "head_dim", None)
+    head_dim = head_dim or backbone_config.hidden_size // backbone_config.num_attention_heads
     return 2 * backbone_config.num_hidden_layers * heads * head_dim * bytes_per_value
 
 
@@ -139,7 +140,8 @@ def build_index(
         disk_bytes_per_token=round(directory_bytes(index_dir) / max(totals["tokens"], 1), 2),
         updated=now(),
     )
-    manifest["kv_cache_over_keys"] = round(manifest["kv_cache_bytes_per_token"] / max(manifest["bytes_per_token"], 1), 1)
+    manifest["kv_cache_over_keys"] = round(manifest["kv_cache_bytes_per_token"] / max(manifest["bytes_per_token"], 1),
+                                           1)
     write_manifest(index_dir, manifest)
     return IndexReport(
         index=str(index_dir), documents=len(documents_read.documents), passages=len(passages), encoded=len(todo),

@@ -178,7 +178,7 @@ def test_citation_spans_equal_the_copied_text(tmp_path, copying_checkpoint, embe
         else:
             runs.append((source[0], [token], source[1]))
     assert len(runs) == len(generation.citations)
-    for (passage, tokens, _), citation in zip(runs, generation.citations, strict=True):
+    for (_, tokens, _), citation in zip(runs, generation.citations, strict=True):
         document = next(d for d in DOCS if d["id"] == citation.doc_id)
         assert citation.text == document["text"][citation.start : citation.end]
         assert index.tokenizer.decode(tokens).strip() == citation.text.strip()
