@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cprag.errors import CpragError
+from cprag.train_config import TrainConfig
 
 app = typer.Typer(
     add_completion=False,
@@ -27,6 +28,9 @@ out = Console()
 
 CHECKPOINT_OPTION = typer.Option(None, "--checkpoint", help="CPLM checkpoint directory (default: the shipped one).")
 JSON_OPTION = typer.Option(False, "--json", help="Write one JSON object to stdout instead of tables.")
+
+
+TRAIN_DEFAULTS = TrainConfig()
 
 
 def reports_errors(command):
@@ -279,6 +283,54 @@ def info_command(index: Path = INDEX_OPTION, as_json: bool = JSON_OPTION):
     table = Table(show_header=False, box=None)
     for key, value in sorted(info.items()):
         table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+    out.print(table)
+
+
+@app.command("train")
+@reports_errors
+def train_command(
+    data: Path = typer.Argument(..., help="SQuAD-format JSON (for example ../shared/data/squad-v1.1-dev-public.json)."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Checkpoint directory to write (resumes if interrupted)."),
+    epochs: float = typer.Option(TRAIN_DEFAULTS.epochs, "--epochs"),
+    lr: float = typer.Option(TRAIN_DEFAULTS.lr, "--lr"),
+    batch_size: int = typer.Option(TRAIN_DEFAULTS.batch_size, "--batch-size"),
+    distractors: int = typer.Option(TRAIN_DEFAULTS.distractors, "--distractors", help="Other passages in memory."),
+    end_weight: float = typer.Option(TRAIN_DEFAULTS.end_weight, "--end-weight", help="Loss weight of the end."),
+    seed: int = typer.Option(TRAIN_DEFAULTS.seed, "--seed"),
+    validation_questions: int = typer.Option(300, "--validation-questions"),
+    modes: str = typer.Option("hidden", "--modes", help="Validation modes: hidden,visible,closed."),
+    as_json: bool = JSON_OPTION,
+):
+    """Train the CP head for hidden-document QA on cached backbone features, validate on held-out articles.
+
+    Example: cprag train ../shared/data/squad-v1.1-dev-public.json --out checkpoints/mine
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from cprag.recipe import train_checkpoint
+
+    config = TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, distractors=distractors,
+                         end_weight=end_weight, seed=seed)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=as_json) as progress:
+        tasks: dict[str, int] = {}
+
+        def on_progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        metrics = train_checkpoint(data, out_dir, config, validation_questions=validation_questions,
+                                   validation_modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+                                   on_progress=on_progress)
+    if as_json:
+        emit_json(metrics)
+        return
+    table = Table(title=f"checkpoint written to {out_dir}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in sorted(metrics.items()):
+        table.add_row(key, str(value))
     out.print(table)
 
 

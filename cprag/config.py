@@ -26,6 +26,14 @@ class CPLMConfig(PreTrainedConfig):
     key_sees_token: bool = False
     copy_bias_init: float = 25.0
     stop_cp_grad: bool = False
+    # passages are encoded offline, so their keys may see the whole passage: a small bidirectional refinement
+    doc_refine_layers: int = 0
+    doc_refine_dim: int = 128
+    # "end after this token" entries: a second query over the same stored keys, pasting the end-of-turn token
+    end_entries: bool = False
+    # learned bias toward the entry right after the one just copied from (continue the span, or end it there)
+    successor_bias: bool = False
+    end_token_id: int | None = None
     base_model: dict | None = None
     trained_backbone_params: list[str] | None = None
 
@@ -33,12 +41,23 @@ class CPLMConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         if self.key_dim < 1:
             raise ConfigError("key_dim", self.key_dim, "the CP key dimension must be a positive integer")
+        if self.doc_refine_layers < 0 or self.doc_refine_dim < 8:
+            raise ConfigError("doc_refine_layers/doc_refine_dim", (self.doc_refine_layers, self.doc_refine_dim),
+                              "need layers >= 0 and a dim of at least 8")
         if self.base_model is not None:
             missing = {"kind", "file", "sha256"} - set(self.base_model)
             if missing:
                 raise ConfigError("base_model", self.base_model, f"missing keys {sorted(missing)}")
         if self.trained_backbone_params is None:
             self.trained_backbone_params = []
+
+    @property
+    def end_id(self) -> int:
+        """The token an "end" entry pastes: `<|im_end|>` for SmolLM2 (its eos)."""
+        if self.end_token_id is not None:
+            return self.end_token_id
+        eos = self.backbone_config.eos_token_id
+        return eos[0] if isinstance(eos, list) else eos
 
     @property
     def hidden_size(self) -> int:

@@ -1,7 +1,8 @@
 """Passages to CP keys: each passage is tokenised with character offsets and encoded on its own.
 
 A passage of n tokens is run as [BOS, t_1 .. t_n]; the key at position j pastes t_{j+1}, so every passage token,
-the first included, can be copied, and each key knows the character span of the token it pastes.
+the first included, can be copied, and each key knows the character span of the token it pastes. The key of the
+last token pastes the end-of-turn token, with an empty span at the passage's end.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ class TokenizedPassage:
 
 @dataclass
 class PassageKeys:
-    keys: np.ndarray  # (n, D) float16: key j pastes ids[j]
-    ids: np.ndarray  # (n,) int32
-    offsets: np.ndarray  # (n, 2) int32 character spans of the pasted tokens
+    keys: np.ndarray  # (n + 1, D) float16: key j pastes ids[j]
+    ids: np.ndarray  # (n + 1,) int32: the passage tokens, then the end-of-turn token
+    offsets: np.ndarray  # (n + 1, 2) int32 character spans of the pasted tokens
 
 
 def tokenize_passage(tokenizer, text: str) -> TokenizedPassage:
@@ -67,12 +68,14 @@ def encode_passages(
             attention[row, : lengths[index]] = 1
         memory = model.document_keys(input_ids.to(device), attention.to(device))
         keys = memory.keys.to(torch.float16).cpu().numpy()
+        paste_ids = memory.ids.cpu().numpy().astype(np.int32)
         for row, index in enumerate(batch):
-            n = lengths[index] - 1
+            n = lengths[index]
+            offsets = np.asarray(passages[index].offsets, dtype=np.int32).reshape(n - 1, 2)
+            end = offsets[-1, 1] if n > 1 else 0
             yield index, PassageKeys(
-                keys=keys[row, :n],
-                ids=np.asarray(passages[index].ids, dtype=np.int32),
-                offsets=np.asarray(passages[index].offsets, dtype=np.int32).reshape(n, 2),
+                keys=keys[row, :n], ids=paste_ids[row, :n],
+                offsets=np.concatenate([offsets, np.array([[end, end]], dtype=np.int32)]),
             )
         if on_batch is not None:
             on_batch(len(batch))

@@ -100,7 +100,9 @@ def generate(
         entry = _copied_source(out, token, memory)
         tokens.append(token)
         sources.append(None if entry is None else (int(owner[entry]), int(position[entry])))
-        out = model(torch.tensor([[token]], device=device), memory=memory, context=out.context, use_cache=True)
+        previous = torch.tensor([[-1 if entry is None else entry]], device=device)  # for the successor bias
+        out = model(torch.tensor([[token]], device=device), memory=memory, context=out.context, use_cache=True,
+                    prev_source=previous)
     generation = Generation(
         answer=tokenizer.decode(tokens, skip_special_tokens=True).strip(), token_ids=tokens, sources=sources,
         prompt_tokens=len(prompt),

@@ -36,7 +36,7 @@ def safe_logsumexp(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
 class GateLogProbs:
     log_g: torch.Tensor  # (...)    log of the copy gate g
     log_1mg: torch.Tensor  # (...)  log(1 - g)
-    log_p_gen: torch.Tensor  # (..., V)
+    log_p_gen: torch.Tensor | None  # (..., V); None when built from LM statistics only
 
 
 @dataclass
@@ -54,6 +54,12 @@ def gate_log_probs(lm_logits: torch.Tensor, copy_logit: torch.Tensor) -> GateLog
         log_1mg=lse_vocab - lse_all,
         log_p_gen=lm_logits - lse_vocab.unsqueeze(-1),
     )
+
+
+def gate_log_probs_from_stats(lse_vocab: torch.Tensor, copy_logit: torch.Tensor) -> GateLogProbs:
+    """The gate from the LM logits' logsumexp alone (no (..., V) tensor); log_p_gen is left empty."""
+    lse_all = torch.logaddexp(lse_vocab, copy_logit)
+    return GateLogProbs(log_g=copy_logit - lse_all, log_1mg=lse_vocab - lse_all, log_p_gen=None)
 
 
 def copy_log_probs(scores: torch.Tensor, sink_score: torch.Tensor, mask: torch.Tensor | None) -> CopyLogProbs:
@@ -102,10 +108,15 @@ def mixture_log_probs(gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Te
 
 
 def mixture_target_log_probs(
-    gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, targets: torch.Tensor
+    gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, targets: torch.Tensor,
+    log_p_gen_target: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log p(target) without building the (..., V) copy distribution. targets: (...) int64. Returns (...)."""
-    log_p_gen_target = gate.log_p_gen.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    """log p(target) without building the (..., V) copy distribution. targets: (...) int64. Returns (...).
+
+    `log_p_gen_target` (...) may be given instead of gate.log_p_gen (training from cached LM statistics).
+    """
+    if log_p_gen_target is None:
+        log_p_gen_target = gate.log_p_gen.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     generated = generator_weight_log(gate, copy) + log_p_gen_target
     same_token = copy_ids.expand_as(copy.log_a) == targets.unsqueeze(-1)  # (..., M)
     copied = gate.log_g + safe_logsumexp(copy.log_a.masked_fill(~same_token, NEG_INF), dim=-1)
@@ -113,8 +124,9 @@ def mixture_target_log_probs(
 
 
 def mixture_nll(
-    gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+    gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+    log_p_gen_target: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted mean NLL of the mixture. weights: (...) float, 0 where a position is not a target."""
-    log_p = mixture_target_log_probs(gate, copy, copy_ids, targets.clamp(min=0))
+    log_p = mixture_target_log_probs(gate, copy, copy_ids, targets.clamp(min=0), log_p_gen_target)
     return -(log_p * weights).sum() / weights.sum().clamp(min=1e-9)

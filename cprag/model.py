@@ -15,7 +15,13 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrained
 from transformers.utils import ModelOutput
 
 from cprag.config import CPLMConfig
-from cprag.mixture import copy_log_probs, gate_log_probs, mixture_log_probs, mixture_nll
+from cprag.mixture import (
+    copy_log_probs,
+    gate_log_probs,
+    gate_log_probs_from_stats,
+    mixture_log_probs,
+    mixture_nll,
+)
 
 
 @dataclass
@@ -35,7 +41,7 @@ class CopyMemory:
 class ContextState:
     """The running context: own-context keys, the tokens seen so far, and the backbone's KV cache."""
 
-    keys: torch.Tensor  # (B, P, D) key of each past position
+    keys: torch.Tensor  # (B, P, D) key of each past position, without its paste token
     ids: torch.Tensor  # (B, P) the tokens at those positions
     mask: torch.Tensor  # (B, P) bool, False on padding
     cache: object | None = None  # transformers Cache
@@ -50,24 +56,53 @@ class CPLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     log_probs: torch.Tensor | None = None  # (B, T, V) mixture log p(next token)
     log_gate: torch.Tensor | None = None  # (B, T) log g
-    copy_log_attention: torch.Tensor | None = None  # (B, T, M + P + T) log a over [external ; context]
+    copy_log_attention: torch.Tensor | None = None  # (B, T, E + P + T) log a over [external ; context]
     sink_log_attention: torch.Tensor | None = None  # (B, T)
     hidden_states: torch.Tensor | None = None  # (B, T, H)
     context: ContextState | None = None
 
 
-class CopyHead(nn.Module):
-    """Query and key projections into a D-dim space, and a learned sink key that hands mass back to p_gen."""
+class DocumentRefiner(nn.Module):
+    """Bidirectional layers over a passage's hidden states, adding to its keys what comes after each token.
 
-    def __init__(self, hidden_size: int, key_dim: int, vocab_size: int, key_sees_token: bool = False):
+    Only for external memory: documents are encoded offline and whole, while own-context keys stay causal.
+    """
+
+    def __init__(self, hidden_size: int, dim: int, layers: int, key_dim: int):
         super().__init__()
+        self.down = nn.Linear(hidden_size, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=max(1, dim // 32), dim_feedforward=2 * dim, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.layers = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.up = nn.Linear(dim, key_dim)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, H), mask (B, T) bool -> key corrections (B, T, D)."""
+        return self.up(self.layers(self.down(hidden), src_key_padding_mask=~mask))
+
+
+class CopyHead(nn.Module):
+    """Query and key projections into a D-dim space, and a learned sink key that hands mass back to p_gen.
+
+    Options (config): keys that see the token they paste, a bidirectional refiner for document keys, "end here"
+    entries read by a second query, and a learned bias toward the successor of the last copied entry.
+    """
+
+    def __init__(self, config: CPLMConfig):
+        super().__init__()
+        hidden_size, key_dim = config.hidden_size, config.key_dim
         self.key_dim = key_dim
         self.q_proj = nn.Linear(hidden_size, key_dim)
         self.k_proj = nn.Linear(hidden_size, key_dim)
         self.sink_key = nn.Parameter(torch.zeros(key_dim))
         self.sink_bias = nn.Parameter(torch.zeros(()))
-        # optional: a key also sees the token it would paste (zero-initialised, so it starts as a no-op)
-        self.paste_embedding = nn.Embedding(vocab_size, key_dim) if key_sees_token else None
+        self.paste_embedding = nn.Embedding(config.vocab_size, key_dim) if config.key_sees_token else None
+        self.end_q_proj = nn.Linear(hidden_size, key_dim) if config.end_entries else None
+        self.successor = nn.Parameter(torch.zeros(2)) if config.successor_bias else None  # (continue, end)
+        self.doc_refiner = (
+            DocumentRefiner(hidden_size, config.doc_refine_dim, config.doc_refine_layers, key_dim)
+            if config.doc_refine_layers else None
+        )
 
     def queries(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.q_proj(hidden)  # (..., D)
@@ -80,12 +115,12 @@ class CopyHead(nn.Module):
             return keys
         return keys + self.paste_embedding(paste_ids)
 
-    def scores(self, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """queries (B, T, D), keys (B|1, M, D) -> memory scores (B, T, M) and sink scores (B, T)."""
-        scale = 1.0 / math.sqrt(self.key_dim)
-        memory = torch.matmul(queries, keys.transpose(-1, -2).to(queries.dtype)) * scale
-        sink = (queries @ self.sink_key) * scale + self.sink_bias
-        return memory, sink
+    def scores(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """queries (B, T, D), keys (B|1, M, D) -> scores (B, T, M)."""
+        return torch.matmul(queries, keys.transpose(-1, -2).to(queries.dtype)) / math.sqrt(self.key_dim)
+
+    def sink_scores(self, queries: torch.Tensor) -> torch.Tensor:
+        return (queries @ self.sink_key) / math.sqrt(self.key_dim) + self.sink_bias  # (B, T)
 
 
 def context_memory(
@@ -122,25 +157,39 @@ class CPLMPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         if isinstance(module, CopyHead):
             std = self.config.backbone_config.initializer_range
-            for proj in (module.q_proj, module.k_proj):
-                nn.init.normal_(proj.weight, std=std)
-                nn.init.zeros_(proj.bias)
+            for proj in (module.q_proj, module.k_proj, module.end_q_proj):
+                if proj is not None:
+                    nn.init.normal_(proj.weight, std=std)
+                    nn.init.zeros_(proj.bias)
             nn.init.zeros_(module.sink_key)
             nn.init.zeros_(module.sink_bias)
             if module.paste_embedding is not None:
                 nn.init.zeros_(module.paste_embedding.weight)
+            if module.successor is not None:
+                nn.init.zeros_(module.successor)
+            if module.doc_refiner is not None:
+                module.doc_refiner.apply(_reset_torch_defaults)
+                nn.init.zeros_(module.doc_refiner.up.weight)  # starts as a no-op on the keys
+                nn.init.zeros_(module.doc_refiner.up.bias)
         elif module is getattr(self, "copy_gate", None):
             # open gate at start: the <copy> logit sits near the logsumexp of the LM logits (design notes)
             nn.init.zeros_(module.weight)
             nn.init.constant_(module.bias, self.config.copy_bias_init)
-        elif isinstance(module, nn.Linear) and self._belongs_to_cp_head(module):
+        elif self._belongs_to_cp_head(module):
             pass  # initialised with its CopyHead
         else:
             super()._init_weights(module)
 
     def _belongs_to_cp_head(self, module: nn.Module) -> bool:
         head = getattr(self, "cp_head", None)
-        return head is not None and (module is head.q_proj or module is head.k_proj)
+        return head is not None and any(module is m for m in head.modules())
+
+
+def _reset_torch_defaults(module: nn.Module) -> None:
+    if isinstance(module, nn.MultiheadAttention):
+        module._reset_parameters()
+    elif isinstance(module, nn.Linear | nn.LayerNorm):
+        module.reset_parameters()
 
 
 class CPLMForCausalLM(CPLMPreTrainedModel):
@@ -150,7 +199,7 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         super().__init__(config)
         self.backbone = backbone if backbone is not None else AutoModel.from_config(config.backbone_config)
         self.copy_gate = nn.Linear(config.hidden_size, 1)  # the `<copy>` row of the LM head
-        self.cp_head = CopyHead(config.hidden_size, config.key_dim, config.vocab_size, config.key_sees_token)
+        self.cp_head = CopyHead(config)
         self.post_init()
         if backbone is None:
             return
@@ -177,17 +226,51 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         return out.last_hidden_state, out.cache  # (B, T, H)
 
     def document_keys(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CopyMemory:
-        """Encode documents on their own. input_ids (B, T) -> a memory of T-1 keys per document.
+        """Encode documents on their own. input_ids (B, T) = [BOS, t_1 .. t_n] -> a memory of T keys each.
 
-        Position j's key pastes token j + 1; the last position has no next token and gives no key.
+        Key j pastes the token at j + 1; the key of the last token pastes the end-of-turn token ("the text
+        ends here"), so every passage token, and the end right after the passage, can be copied.
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hidden, _ = self.encode_hidden(input_ids, attention_mask)
-        paste_ids = input_ids[:, 1:]
-        keys = self.cp_head.keys(self._cp_input(hidden[:, :-1]), paste_ids)  # (B, T-1, D)
-        mask = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+        return self.document_keys_from_hidden(hidden, input_ids, attention_mask)
+
+    def document_keys_from_hidden(self, hidden, input_ids, attention_mask) -> CopyMemory:
+        """hidden (B, T, H) of [BOS, t_1 .. t_n] (right padded) -> keys (B, T, D), paste ids (B, T), mask (B, T)."""
+        mask = attention_mask.bool()
+        last = (mask.sum(-1) - 1).clamp(min=0).unsqueeze(1)  # (B, 1)
+        paste_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+        paste_ids = paste_ids.scatter(1, last, self.config.end_id).masked_fill(~mask, 0)
+        cp_hidden = self._cp_input(hidden)
+        keys = self.cp_head.keys(cp_hidden, paste_ids)  # (B, T, D)
+        if self.cp_head.doc_refiner is not None:
+            keys = keys + self.cp_head.doc_refiner(cp_hidden, mask)
         return CopyMemory(keys=keys, ids=paste_ids, mask=mask)
+
+    def external_scores(self, cp_hidden, memory: CopyMemory, prev_source: torch.Tensor | None):
+        """Scores of the external entries, then of their "end here" twins when enabled, with the successor bias.
+
+        cp_hidden (B, T, H); prev_source (B, T): the external entry the previous token was copied from, or -1.
+        Returns scores (B, T, E), paste ids (B, E), allowed (B, T, E) with E = M, or 2M (continue, then end).
+        """
+        batch, steps = cp_hidden.shape[:2]
+        keys = memory.keys.expand(batch, -1, -1)
+        ids = memory.ids.expand(batch, -1)
+        mask = memory.mask if memory.mask is not None else torch.ones_like(memory.ids, dtype=torch.bool)
+        mask = mask.expand(batch, -1).unsqueeze(1).expand(-1, steps, -1)
+        head = self.cp_head
+        parts, part_ids = [head.scores(head.queries(cp_hidden), keys)], [ids]
+        if head.end_q_proj is not None:
+            parts.append(head.scores(head.end_q_proj(cp_hidden), keys))
+            part_ids.append(torch.full_like(ids, self.config.end_id))
+        if head.successor is not None and prev_source is not None:
+            successor = prev_source + 1
+            valid = (prev_source >= 0) & (successor < memory.size)
+            bump = nn.functional.one_hot(successor.clamp(0, memory.size - 1), memory.size).to(parts[0].dtype)
+            bump = bump * valid.unsqueeze(-1)  # (B, T, M)
+            parts = [part + weight * bump for part, weight in zip(parts, head.successor, strict=False)]
+        return torch.cat(parts, -1), torch.cat(part_ids, -1), torch.cat([mask] * len(parts), -1)
 
     def forward(
         self,
@@ -197,6 +280,7 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         context: ContextState | None = None,
         targets: torch.Tensor | None = None,
         target_weights: torch.Tensor | None = None,
+        prev_source: torch.Tensor | None = None,
         use_cache: bool = False,
         return_log_probs: bool = True,
         position_ids: torch.Tensor | None = None,
@@ -212,34 +296,59 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             input_ids, full_mask, cache=context.cache if context else None, use_cache=use_cache,
             position_ids=position_ids,
         )
+        out = self.forward_hidden(hidden, input_ids, attention_mask, memory, context, targets, target_weights,
+                                  prev_source, return_log_probs=return_log_probs)
+        out.context.cache = cache
+        return out
+
+    def forward_hidden(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        memory: CopyMemory | None = None,
+        context: ContextState | None = None,
+        targets: torch.Tensor | None = None,
+        target_weights: torch.Tensor | None = None,
+        prev_source: torch.Tensor | None = None,
+        lm_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+        return_log_probs: bool = True,
+    ) -> CPLMOutput:
+        """Everything after the backbone, from its final hidden states (B, T, H).
+
+        `lm_stats` = (logsumexp of the LM logits (B, T), LM logit of each target (B, T)) replaces the (B, T, V)
+        LM logits when only the loss is needed: training on cached features never builds the vocabulary matrix.
+        """
+        head = self.cp_head
         cp_hidden = self._cp_input(hidden)
-        queries = self.cp_head.queries(cp_hidden)  # (B, T, D)
-        own_keys = self.cp_head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
-        ctx_base, ctx_ids, ctx_allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool())
-        ctx_keys = self.cp_head.with_paste_tokens(ctx_base, ctx_ids)
-        state.cache = cache
-
-        batch, steps = input_ids.shape
-        keys, ids, allowed = ctx_keys, ctx_ids, ctx_allowed  # ctx_ids are paste ids here
+        queries = head.queries(cp_hidden)  # (B, T, D)
+        own_keys = head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
+        ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool())
+        scores = head.scores(queries, head.with_paste_tokens(ctx_base, ctx_ids))  # (B, T, P+T)
+        ids = ctx_ids
         if memory is not None:
-            ext_mask = memory.mask if memory.mask is not None else torch.ones_like(memory.ids, dtype=torch.bool)
-            keys = torch.cat([memory.keys.to(ctx_keys.dtype).expand(batch, -1, -1), ctx_keys], dim=1)
-            ids = torch.cat([memory.ids.expand(batch, -1), ctx_ids], dim=1)
-            ext_allowed = ext_mask.expand(batch, -1).unsqueeze(1).expand(-1, steps, -1)
-            allowed = torch.cat([ext_allowed, ctx_allowed], dim=-1)  # (B, T, M+P+T)
+            ext_scores, ext_ids, ext_allowed = self.external_scores(cp_hidden, memory, prev_source)
+            scores = torch.cat([ext_scores, scores], dim=-1)
+            ids = torch.cat([ext_ids, ids], dim=-1)
+            allowed = torch.cat([ext_allowed, allowed], dim=-1)  # (B, T, E+P+T)
+        copy = copy_log_probs(scores, head.sink_scores(queries), allowed)
+        copy_logit = self.copy_gate(hidden).squeeze(-1)
+        ids_for_positions = ids.unsqueeze(1)  # (B, 1, E+P+T), shared by every query position
 
-        scores, sink = self.cp_head.scores(queries, keys)
-        copy = copy_log_probs(scores, sink, allowed)
-        gate = gate_log_probs(self.lm_logits(hidden), self.copy_gate(hidden).squeeze(-1))
-        ids_for_positions = ids.unsqueeze(1)  # (B, 1, M+P+T), shared by every query position
-
+        log_p_gen_target = None
+        if lm_stats is not None:
+            gate = gate_log_probs_from_stats(lm_stats[0], copy_logit)
+            log_p_gen_target = lm_stats[1] - lm_stats[0]
+        else:
+            gate = gate_log_probs(self.lm_logits(hidden), copy_logit)
         loss = None
         if targets is not None:
             weights = (targets != -100).to(hidden.dtype)
             if target_weights is not None:
                 weights = weights * target_weights
-            loss = mixture_nll(gate, copy, ids_for_positions, targets, weights)
-        log_probs = mixture_log_probs(gate, copy, ids_for_positions) if return_log_probs else None
+            loss = mixture_nll(gate, copy, ids_for_positions, targets, weights, log_p_gen_target)
+        wants_log_probs = return_log_probs and lm_stats is None
+        log_probs = mixture_log_probs(gate, copy, ids_for_positions) if wants_log_probs else None
         return CPLMOutput(
             loss=loss, log_probs=log_probs, log_gate=gate.log_g, copy_log_attention=copy.log_a,
             sink_log_attention=copy.log_a_sink, hidden_states=hidden, context=state,

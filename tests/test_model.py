@@ -50,11 +50,17 @@ def test_no_position_copies_from_a_later_one():
     assert torch.allclose(model(x).log_probs[:, :7], model(y).log_probs[:, :7], atol=1e-6)
 
 
-def test_copy_memory_entries_paste_their_next_token():
+def test_copy_memory_entries_paste_their_next_token_and_the_last_pastes_the_end():
     model = tiny_cplm()
     doc = inputs(4, batch=1, length=9)
     memory = model.document_keys(doc)
-    assert memory.keys.shape == (1, 8, 8) and torch.equal(memory.ids, doc[:, 1:])
+    assert memory.keys.shape == (1, 9, 8) and torch.equal(memory.ids[:, :-1], doc[:, 1:])
+    assert memory.ids[0, -1] == model.config.end_id
+    padded = torch.cat([doc, torch.zeros_like(doc[:, :3])], 1)
+    mask = torch.cat([torch.ones_like(doc), torch.zeros_like(doc[:, :3])], 1)
+    padded_memory = model.document_keys(padded, mask)
+    assert torch.equal(padded_memory.ids[:, :9], memory.ids) and padded_memory.mask.sum() == 9
+    assert torch.allclose(padded_memory.keys[:, :9], memory.keys, atol=1e-5)
 
 
 def test_a_copy_from_memory_puts_mass_on_its_token():
@@ -166,3 +172,57 @@ def test_importing_cprag_loads_no_model():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() in {"True", "False"}  # importing the classes is fine; no weights are read
     assert "Loading weights" not in result.stderr and "GGUF" not in result.stderr
+
+
+ALL_OPTIONS = dict(key_sees_token=True, end_entries=True, successor_bias=True, doc_refine_layers=1, doc_refine_dim=16)
+
+
+def test_all_options_keep_a_normalised_distribution_and_causal_context():
+    model = tiny_cplm(**ALL_OPTIONS)
+    with torch.no_grad():
+        model.cp_head.successor.fill_(2.0)
+        model.cp_head.doc_refiner.up.weight.normal_()
+    memory = model.document_keys(inputs(11, length=14))
+    x = inputs(length=10)
+    previous = torch.randint(-1, memory.size, (2, 10))
+    out = model(x, memory=memory, prev_source=previous)
+    assert torch.allclose(out.log_probs.exp().sum(-1), torch.ones(2, 10), atol=1e-5)
+    y = x.clone()
+    y[:, 6:] = (y[:, 6:] + 1) % VOCAB_SIZE
+    assert torch.allclose(out.log_probs[:, :6], model(y, memory=memory, prev_source=previous).log_probs[:, :6],
+                          atol=1e-5)
+
+
+def test_document_keys_see_later_tokens_only_with_the_refiner():
+    doc = inputs(12, batch=1, length=10)
+    changed = doc.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % VOCAB_SIZE
+    for refine, sees_later in [(0, False), (1, True)]:
+        model = tiny_cplm(doc_refine_layers=refine, doc_refine_dim=16)
+        if refine:
+            with torch.no_grad():
+                model.cp_head.doc_refiner.up.weight.normal_()
+        first_key = (model.document_keys(doc).keys - model.document_keys(changed).keys)[0, 0].abs().max()
+        assert (first_key > 1e-6) == sees_later
+
+
+def test_end_entries_paste_the_end_token_and_the_successor_bias_follows_the_span():
+    model = tiny_cplm(end_entries=True, successor_bias=True)
+    memory = model.document_keys(inputs(13, batch=1, length=8))
+    x = inputs(14, batch=1, length=1)
+    with torch.no_grad():
+        model.copy_gate.bias.fill_(1e4)
+        model.cp_head.sink_bias.fill_(-1e4)
+        model.cp_head.end_q_proj.weight.zero_()
+        model.cp_head.end_q_proj.bias.zero_()
+        model.cp_head.q_proj.weight.zero_()
+        model.cp_head.q_proj.bias.zero_()
+        model.cp_head.successor.copy_(torch.tensor([6.0, 0.0]))
+    plain = model(x, memory=memory).copy_log_attention[0, 0].exp()
+    assert plain.shape[0] == 2 * memory.size + 1  # continue entries, end entries, own context
+    followed = model(x, memory=memory, prev_source=torch.tensor([[3]])).copy_log_attention[0, 0].exp()
+    assert followed[4] > 0.9 and followed[4] > plain[4] * 10
+    with torch.no_grad():
+        model.cp_head.successor.copy_(torch.tensor([0.0, 6.0]))
+    ending = model(x, memory=memory, prev_source=torch.tensor([[3]]))
+    assert ending.log_probs[0, 0, model.config.end_id].exp() > 0.9

@@ -1,0 +1,111 @@
+"""Oracle-memory QA evaluation: each question with its gold passage plus distractors, in hidden, visible or
+closed mode, scored with the official SQuAD EM/F1. Shared by training (validation) and `cprag eval`."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cprag.cache import DevicePassage
+from cprag.encode import PassageKeys, encode_passages, tokenize_passage
+from cprag.generate import generate
+from cprag.metrics import best_over_references, exact_match, f1, squad_scores
+from cprag.squad import QAExample
+from cprag.store import StoredPassage
+
+
+@dataclass
+class QAResult:
+    qid: str
+    mode: str
+    question: str
+    prediction: str
+    references: list[str]
+    em: float
+    f1: float
+    copy_rate: float
+    latency_ms: float
+    passages: list[str]
+
+
+def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int, rng: random.Random) -> list[str]:
+    """The gold passage and `distractors` others (same article first), in a seeded random order."""
+    article = example.passage_id.rsplit("#", 1)[0]
+    same = [p for p in all_ids if p.rsplit("#", 1)[0] == article and p != example.passage_id]
+    others = [p for p in all_ids if p.rsplit("#", 1)[0] != article]
+    chosen = rng.sample(same, min(distractors, len(same)))
+    chosen += rng.sample(others, distractors - len(chosen))
+    chosen.insert(rng.randrange(len(chosen) + 1), example.passage_id)
+    return chosen
+
+
+class OracleMemory:
+    """Encodes passages on first use (as `cprag index` would) and keeps them on the model's device."""
+
+    def __init__(self, model, tokenizer, passages: dict[str, tuple[str, str]]):
+        self.model, self.tokenizer, self.passages = model, tokenizer, passages
+        self.encoded: dict[str, DevicePassage] = {}
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+
+    def get(self, passage_ids: list[str]) -> list[DevicePassage]:
+        missing = [p for p in passage_ids if p not in self.encoded]
+        if missing:
+            tokenized = [tokenize_passage(self.tokenizer, self.passages[p][1]) for p in missing]
+            for index, keys in encode_passages(self.model, tokenized, bos_id=self.tokenizer.bos_token_id):
+                self.encoded[missing[index]] = self._device_passage(missing[index], keys)
+        return [self.encoded[p] for p in passage_ids]
+
+    def _device_passage(self, pid: str, keys: PassageKeys) -> DevicePassage:
+        title, text = self.passages[pid]
+        stored = StoredPassage(passage_id=pid, doc_id=pid, title=title, text=text, char_start=0, keys=keys)
+        return DevicePassage(
+            passage=stored, keys=torch.from_numpy(np.array(keys.keys)).to(self.device, self.dtype),
+            ids=torch.from_numpy(keys.ids.astype(np.int64)).to(self.device),
+        )
+
+
+def evaluate_oracle(
+    model, tokenizer, examples: list[QAExample], passages: dict[str, tuple[str, str]], modes: list[str],
+    distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
+    on_result: Callable[[QAResult], None] | None = None,
+) -> list[QAResult]:
+    memory = OracleMemory(model, tokenizer, passages)
+    all_ids = sorted(passages)
+    rng = random.Random(seed)
+    results = []
+    for example in examples:
+        chosen = oracle_passage_ids(example, all_ids, distractors, rng)
+        shards = memory.get(chosen)
+        for mode in modes:
+            tick = time.perf_counter()
+            generation = generate(model, tokenizer, example.question, shards if mode != "closed" else [], mode,
+                                  max_new_tokens)
+            result = QAResult(
+                qid=example.qid, mode=mode, question=example.question, prediction=generation.answer,
+                references=example.answers,
+                em=100 * best_over_references(exact_match, generation.answer, example.answers),
+                f1=100 * best_over_references(f1, generation.answer, example.answers),
+                copy_rate=generation.copy_rate, latency_ms=(time.perf_counter() - tick) * 1000, passages=chosen,
+            )
+            results.append(result)
+            if on_result:
+                on_result(result)
+    return results
+
+
+def summarize(results: list[QAResult]) -> dict[str, float]:
+    summary: dict[str, float] = {}
+    for mode in sorted({r.mode for r in results}):
+        chosen = [r for r in results if r.mode == mode]
+        scores = squad_scores([r.prediction for r in chosen], [r.references for r in chosen])
+        summary[f"qa/{mode}/em"] = round(scores["em"], 2)
+        summary[f"qa/{mode}/f1"] = round(scores["f1"], 2)
+        summary[f"qa/{mode}/copy_rate"] = round(float(np.mean([r.copy_rate for r in chosen])), 3)
+        summary[f"qa/{mode}/n"] = len(chosen)
+    return summary

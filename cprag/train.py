@@ -1,0 +1,208 @@
+"""Hidden-document QA training of the CP head on cached backbone features (`cprag train`).
+
+Objective (hidden form): the passage is encoded on its own; the backbone reads the chat-formatted question, then
+the answer as the passage's own tokens, then the end-of-turn token. The loss is the mixture NLL over the answer
+positions and the end position (weighted), with the gold passage and distractor passages in memory, and the
+successor bias teacher-forced from the aligned span. The backbone stays frozen, so its features are computed once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from cprag.features import PassageFeatures, QuestionFeatures
+from cprag.model import CopyMemory
+from cprag.prompt import prompt_ids
+from cprag.train_config import TrainConfig
+
+STATE_FILE = "train_state.pt"
+
+
+@dataclass
+class Batch:
+    hidden: torch.Tensor  # (B, L, H) question + answer features
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    targets: torch.Tensor  # (B, L), -100 off the answer/end positions
+    weights: torch.Tensor  # (B, L)
+    prev_source: torch.Tensor  # (B, L) gold memory entry of the previous answer token, -1 otherwise
+    lm_lse: torch.Tensor  # (B, L)
+    lm_target: torch.Tensor  # (B, L)
+    memory_hidden: torch.Tensor  # (B * S, Tp, H) passages, S = 1 + distractors slots per question
+    memory_ids: torch.Tensor  # (B * S, Tp)
+    memory_mask: torch.Tensor  # (B * S, Tp)
+
+
+def _pad(tensors: list[torch.Tensor], value=0) -> torch.Tensor:
+    width = max(t.shape[0] for t in tensors)
+    out = torch.full((len(tensors), width, *tensors[0].shape[1:]), value, dtype=tensors[0].dtype)
+    for row, tensor in enumerate(tensors):
+        out[row, : tensor.shape[0]] = tensor
+    return out
+
+
+def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]], passages: dict[str, PassageFeatures],
+               distractor_pool: dict[str, list[str]], distractors: int, bos_id: int, rng: random.Random,
+               end_weight: float = 1.0) -> Batch:
+    """Collate questions with their gold passage at a random slot among `distractors` others."""
+    slots = 1 + distractors
+    rows_hidden, rows_ids, memory = [], [], []
+    b = len(questions)
+    seq_len = max(q.hidden.shape[0] for q in questions)
+    targets = torch.full((b, seq_len), -100, dtype=torch.long)
+    weights = torch.zeros((b, seq_len))
+    prev = torch.full((b, seq_len), -1, dtype=torch.long)
+    lse, target_logit = torch.zeros((b, seq_len)), torch.zeros((b, seq_len))
+    chosen_all, gold_slots = [], []
+    for q in questions:
+        pool = [p for p in distractor_pool[q.passage_id] if p != q.passage_id]
+        chosen = rng.sample(pool, min(distractors, len(pool)))
+        gold_slot = rng.randrange(len(chosen) + 1)
+        chosen.insert(gold_slot, q.passage_id)
+        chosen += [q.passage_id] * (slots - len(chosen))  # never short; duplicates are masked out below
+        chosen_all.append(chosen)
+        gold_slots.append(gold_slot)
+        memory.extend(chosen)
+        rows_hidden.append(q.hidden)
+        rows_ids.append(torch.tensor(prompts[q.qid] + q.targets[:-1].tolist()))
+    width = max(passages[p].hidden.shape[0] for p in memory)
+    for row, q in enumerate(questions):
+        answer_len = len(q.targets)
+        positions = torch.arange(q.prompt_len - 1, q.prompt_len - 1 + answer_len)
+        targets[row, positions] = q.targets
+        weights[row, positions] = 1.0
+        weights[row, positions[-1]] = end_weight  # the end decision gets real weight, not one token's worth
+        lse[row, positions] = q.lm_lse
+        target_logit[row, positions] = q.lm_target
+        start = gold_slots[row] * width + q.span[0]  # entry j of a passage pastes its token j
+        prev[row, positions[1:]] = torch.arange(start, start + answer_len - 1)
+    passage_hidden = _pad([passages[p].hidden for p in memory])
+    passage_ids = _pad([torch.cat([torch.tensor([bos_id]), passages[p].ids]) for p in memory])
+    passage_mask = _pad([torch.ones(passages[p].hidden.shape[0], dtype=torch.long) for p in memory])
+    for row, chosen in enumerate(chosen_all):  # mask duplicate fillers
+        seen = set()
+        for slot, pid in enumerate(chosen):
+            if pid in seen:
+                passage_mask[row * slots + slot] = 0
+            seen.add(pid)
+    attention = _pad([torch.ones(q.hidden.shape[0], dtype=torch.long) for q in questions])
+    return Batch(
+        hidden=_pad(rows_hidden).float(), input_ids=_pad(rows_ids), attention_mask=attention, targets=targets,
+        weights=weights, prev_source=prev, lm_lse=lse, lm_target=target_logit,
+        memory_hidden=passage_hidden.float(), memory_ids=passage_ids, memory_mask=passage_mask,
+    )
+
+
+def batch_loss(model, batch: Batch) -> torch.Tensor:
+    docs = model.document_keys_from_hidden(batch.memory_hidden, batch.memory_ids, batch.memory_mask)
+    b = batch.hidden.shape[0]
+    memory = CopyMemory(keys=docs.keys.reshape(b, -1, docs.keys.shape[-1]), ids=docs.ids.reshape(b, -1),
+                        mask=docs.mask.reshape(b, -1))
+    out = model.forward_hidden(
+        batch.hidden, batch.input_ids, batch.attention_mask, memory=memory, targets=batch.targets,
+        target_weights=batch.weights, prev_source=batch.prev_source, lm_stats=(batch.lm_lse, batch.lm_target),
+        return_log_probs=False,
+    )
+    return out.loss
+
+
+@dataclass
+class TrainReport:
+    steps: int
+    examples: int
+    seconds: float
+    losses: list[float]
+    resumed_from: int = 0
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    for parameter in model.backbone.parameters():
+        parameter.requires_grad_(False)
+    return [p for n, p in model.named_parameters() if not n.startswith("backbone.")]
+
+
+def train_head(
+    model, tokenizer, questions: list[QuestionFeatures], passages: dict[str, PassageFeatures],
+    question_text: dict[str, str], config: TrainConfig, out_dir: Path | None = None,
+    on_progress: Callable[[int, int, float], None] | None = None,
+) -> TrainReport:
+    """Train the CP head (and the `<copy>` row) on cached features; resumable from `out_dir/train_state.pt`."""
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    steps_per_epoch = max(1, len(questions) // config.batch_size)
+    total = int(config.epochs * steps_per_epoch)
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=max(total, 1),
+                                                    pct_start=0.1)
+    prompts = {q.qid: prompt_ids(tokenizer, question_text[q.qid]) for q in questions}
+    by_article: dict[str, list[str]] = {}
+    for pid in passages:
+        by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
+    pool = {q.passage_id: by_article[q.passage_id.rsplit("#", 1)[0]] for q in questions}
+    everything = sorted(passages)
+    for pid, same_article in pool.items():  # hard distractors first: same article, then any passage
+        if len(same_article) <= config.distractors:
+            pool[pid] = same_article + rng.sample(everything, config.distractors + 1)
+
+    step, losses, order = 0, [], []
+    state_path = Path(out_dir) / STATE_FILE if out_dir else None
+    if state_path:
+        state_path.parent.mkdir(parents=True, exist_ok=True)
+    if state_path and state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        if state["config"] == asdict(config):
+            model.load_state_dict(state["model"], strict=False)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            rng.setstate(state["rng"])
+            torch.set_rng_state(state["torch_rng"])
+            step, losses, order = state["step"], state["losses"], state["order"]
+    resumed_from = step
+    started = time.perf_counter()
+    model.train()
+    while step < total:
+        if not order:
+            order = list(range(len(questions)))
+            rng.shuffle(order)
+        chosen = [questions[i] for i in order[: config.batch_size]]
+        order = order[config.batch_size :]
+        batch = make_batch(chosen, prompts, passages, pool, config.distractors, tokenizer.bos_token_id, rng,
+                           config.end_weight)
+        loss = batch_loss(model, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        losses.append(round(loss.item(), 4))
+        if on_progress:
+            on_progress(step, total, loss.item())
+        if state_path and (step % config.save_every == 0 or step == total):
+            _save_state(state_path, model, optimizer, scheduler, rng, step, losses, order, config)
+    model.eval()
+    return TrainReport(steps=step, examples=len(questions), seconds=time.perf_counter() - started, losses=losses,
+                       resumed_from=resumed_from)
+
+
+def _save_state(path: Path, model, optimizer, scheduler, rng, step, losses, order, config) -> None:
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("backbone.")}
+    staging = path.with_suffix(".tmp")
+    torch.save({"model": trainable, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "losses": losses,
+                "order": order, "config": asdict(config)}, staging)
+    staging.replace(path)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True))

@@ -1,0 +1,35 @@
+"""Training settings: a plain dataclass (no torch import), validated where it is built, naming the CLI flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cprag.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 4.0
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    batch_size: int = 16
+    distractors: int = 4
+    end_weight: float = 3.0
+    seed: int = 0
+    validation_fraction: float = 0.2
+    save_every: int = 100
+    max_steps: int | None = None
+    head: dict = field(default_factory=lambda: {
+        "key_dim": 64, "key_sees_token": True, "doc_refine_layers": 1, "doc_refine_dim": 128,
+        "end_entries": True, "successor_bias": True,
+    })
+
+    def __post_init__(self):
+        checks = [("--epochs", self.epochs, self.epochs > 0), ("--lr", self.lr, self.lr > 0),
+                  ("--batch-size", self.batch_size, self.batch_size >= 1),
+                  ("--distractors", self.distractors, self.distractors >= 0),
+                  ("--end-weight", self.end_weight, self.end_weight > 0),
+                  ("--validation-fraction", self.validation_fraction, 0 < self.validation_fraction < 1)]
+        for flag, value, ok in checks:
+            if not ok:
+                raise ConfigError(flag, value, "out of range")

@@ -1,0 +1,124 @@
+"""The training recipe end to end on a tiny GGUF backbone and a tiny SQuAD file the test writes."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import write_tiny_gguf
+from transformers import AutoModelForCausalLM
+
+from cprag.backbone import gguf_reference
+from cprag.errors import ConfigError, CorpusError
+from cprag.recipe import train_checkpoint
+from cprag.squad import article_split, read_squad
+from cprag.train import STATE_FILE
+from cprag.train_config import TrainConfig
+
+FACTS = [
+    ("Lighthouse", "The lighthouse was built in 1871.", "When was the lighthouse built?", "1871"),
+    ("Lighthouse", "Its keeper was Margit.", "Who was the keeper?", "Margit"),
+    ("Bridge", "The bridge opened in 2009.", "When did the bridge open?", "2009"),
+    ("Bridge", "It crosses the Ravel gorge.", "What does it cross?", "the Ravel gorge"),
+    ("Clock", "The clock rings every hour.", "How often does it ring?", "every hour"),
+    ("Clock", "A monk named Anselm built it.", "Who built the clock?", "Anselm"),
+    ("Geese", "Geese arrive in October.", "When do geese arrive?", "October"),
+    ("Geese", "They roost on the lake.", "Where do they roost?", "on the lake"),
+]
+
+
+def tiny_squad(path, missing_answer=True):
+    articles = {}
+    for title, context, question, answer in FACTS:
+        paragraphs = articles.setdefault(title, [])
+        qas = [{"id": f"{title}{len(paragraphs)}", "question": question,
+                "answers": [{"text": answer, "answer_start": context.index(answer)}]}]
+        paragraphs.append({"context": context, "qas": qas})
+    if missing_answer:  # an answer that is not where it claims to be: skipped and counted
+        articles["Geese"][0]["qas"].append({"id": "bad", "question": "?", "answers": [{"text": "zebra",
+                                                                                       "answer_start": 3}]})
+    path.write_text(json.dumps({"data": [{"title": t, "paragraphs": p} for t, p in articles.items()]}))
+    return path
+
+
+SMOKE = dict(epochs=2, batch_size=4, distractors=2, lr=5e-3, validation_fraction=0.25, save_every=2,
+             head={"key_dim": 8, "key_sees_token": True, "doc_refine_layers": 1, "doc_refine_dim": 16,
+                   "end_entries": True, "successor_bias": True})
+
+
+def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
+    write_tiny_gguf(tmp_path / "base.gguf")
+    data = tiny_squad(tmp_path / "tiny.json")
+    metrics = train_checkpoint(data, tmp_path / "ckpt", TrainConfig(**SMOKE), base=gguf_reference(tmp_path /
+                               "base.gguf"), validation_questions=4, validation_modes=("hidden", "closed"))
+    assert metrics["train/steps"] == 2 * (6 // 4) and metrics["qa/hidden/n"] == 2
+    assert 0 <= metrics["qa/hidden/f1"] <= 100 and "qa/closed/em" in metrics
+    config = json.loads((tmp_path / "ckpt" / "train_config.json").read_text())
+    assert config["skipped"] == {"answer not found at its offset": 1}
+    assert set(config["train_articles"]).isdisjoint(config["validation_articles"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert loaded.config.end_entries and loaded.cp_head.doc_refiner is not None
+    assert not (tmp_path / "ckpt" / STATE_FILE).exists()
+
+
+def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
+    from cprag.checkpoint import new_cplm
+    from cprag.features import extract_features
+    from cprag.train import train_head
+
+    write_tiny_gguf(tmp_path / "base.gguf")
+    data = read_squad(tiny_squad(tmp_path / "tiny.json"))
+    torch.manual_seed(0)
+    model, tokenizer = new_cplm(gguf_reference(tmp_path / "base.gguf"), **SMOKE["head"])
+    passages, questions, _ = extract_features(model, tokenizer, data)
+    text = {e.qid: e.question for e in data.examples}
+    config = TrainConfig(**{**SMOKE, "epochs": 30, "batch_size": 8})
+    report = train_head(model, tokenizer, questions, passages, text, config)
+    assert sum(report.losses[-3:]) / 3 < 0.85 * sum(report.losses[:3]) / 3
+
+
+def test_interrupted_training_resumes_from_its_last_saved_step(tmp_path):
+    from cprag.checkpoint import new_cplm
+    from cprag.features import extract_features
+    from cprag.train import train_head
+
+    write_tiny_gguf(tmp_path / "base.gguf")
+    data = read_squad(tiny_squad(tmp_path / "tiny.json"))
+    text = {e.qid: e.question for e in data.examples}
+    config = TrainConfig(**{**SMOKE, "epochs": 4, "batch_size": 2, "save_every": 3})
+
+    def fresh():
+        torch.manual_seed(0)
+        return new_cplm(gguf_reference(tmp_path / "base.gguf"), **SMOKE["head"])
+
+    model, tokenizer = fresh()
+    passages, questions, _ = extract_features(model, tokenizer, data)
+    straight = train_head(model, tokenizer, questions, passages, text, config)
+
+    def stop_after_four(step, total, loss):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    model, tokenizer = fresh()
+    with pytest.raises(KeyboardInterrupt):
+        train_head(model, tokenizer, questions, passages, text, config, tmp_path / "run", stop_after_four)
+    model, tokenizer = fresh()
+    resumed = train_head(model, tokenizer, questions, passages, text, config, tmp_path / "run")
+    assert resumed.resumed_from == 3 and resumed.steps == straight.steps
+    assert resumed.losses == pytest.approx(straight.losses, abs=1e-3)
+
+
+def test_bad_training_input_is_reported(tmp_path):
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "wrong.json").write_text('{"data": [{"title": "x"}]}')
+    for name, message in [("empty.json", "empty"), ("broken.json", "not valid JSON"), ("wrong.json", "SQuAD")]:
+        with pytest.raises(CorpusError, match=message):
+            read_squad(tmp_path / name)
+    with pytest.raises(ConfigError, match="--lr"):
+        TrainConfig(lr=0)
+
+
+def test_article_split_never_splits_an_article(tmp_path):
+    data = read_squad(tiny_squad(tmp_path / "tiny.json"))
+    train, validation = article_split(data, 0.25, seed=0)
+    assert len(validation) == 1 and not train & validation and train | validation == {f[0] for f in FACTS}
