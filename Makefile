@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(CPRAG) score "When was the lighthouse at Varna Point built?" "1871" \
-		--passage "$$($(PY) -c 'import json; print(json.loads(open("examples/corpus.jsonl").readline())["text"])')"
+	$(CPRAG) index examples/corpus.jsonl --index $(DEMO_INDEX) --rebuild
+	$(CPRAG) ask "When was the lighthouse at Varna Point built?" --index $(DEMO_INDEX) -k 3
+	$(CPRAG) ask "Who designed the glass bridge of Tellin?" --index $(DEMO_INDEX) -k 3
 
 test: $(STAMP)
 	$(PY) -m ruff check cprag tests pipelines eval

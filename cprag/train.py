@@ -35,9 +35,10 @@ class Batch:
     prev_source: torch.Tensor  # (B, L) gold memory entry of the previous answer token, -1 otherwise
     lm_lse: torch.Tensor  # (B, L)
     lm_target: torch.Tensor  # (B, L)
-    memory_hidden: torch.Tensor  # (B * S, Tp, H) passages, S = 1 + distractors slots per question
-    memory_ids: torch.Tensor  # (B * S, Tp)
-    memory_mask: torch.Tensor  # (B * S, Tp)
+    memory_hidden: torch.Tensor  # (N, Tp, H) the batch's distinct passages
+    memory_ids: torch.Tensor  # (N, Tp)
+    memory_mask: torch.Tensor  # (N, Tp) bool, False on padding
+    question_memory_mask: torch.Tensor  # (B, N * Tp) the entries each question may attend
 
 
 def _pad(tensors: list[torch.Tensor], value=0) -> torch.Tensor:
@@ -51,29 +52,30 @@ def _pad(tensors: list[torch.Tensor], value=0) -> torch.Tensor:
 def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]], passages: dict[str, PassageFeatures],
                distractor_pool: dict[str, list[str]], distractors: int, bos_id: int, rng: random.Random,
                end_weight: float = 1.0) -> Batch:
-    """Collate questions with their gold passage at a random slot among `distractors` others."""
-    slots = 1 + distractors
-    rows_hidden, rows_ids, memory = [], [], []
-    b = len(questions)
-    seq_len = max(q.hidden.shape[0] for q in questions)
-    targets = torch.full((b, seq_len), -100, dtype=torch.long)
-    weights = torch.zeros((b, seq_len))
-    prev = torch.full((b, seq_len), -1, dtype=torch.long)
-    lse, target_logit = torch.zeros((b, seq_len)), torch.zeros((b, seq_len))
-    chosen_all, gold_slots = [], []
-    for q in questions:
-        pool = [p for p in distractor_pool[q.passage_id] if p != q.passage_id]
-        chosen = rng.sample(pool, min(distractors, len(pool)))
-        gold_slot = rng.randrange(len(chosen) + 1)
-        chosen.insert(gold_slot, q.passage_id)
-        chosen += [q.passage_id] * (slots - len(chosen))  # never short; duplicates are masked out below
-        chosen_all.append(chosen)
-        gold_slots.append(gold_slot)
-        memory.extend(chosen)
-        rows_hidden.append(q.hidden)
-        rows_ids.append(torch.tensor(prompts[q.qid] + q.targets[:-1].tolist()))
+    """Collate questions over one shared set of passages: their gold passages plus same-article extras.
+
+    Each question's memory is its gold passage and `distractors` others from that set (a per-question mask), so
+    keys are computed once per distinct passage in the batch rather than once per (question, passage) pair.
+    """
+    golds = list(dict.fromkeys(q.passage_id for q in questions))
+    extras = [p for q in questions for p in distractor_pool[q.passage_id] if p not in golds]
+    extras = list(dict.fromkeys(extras))
+    rng.shuffle(extras)
+    memory = golds + extras[: max(0, distractors + 1 - len(golds)) + 2]
+    rng.shuffle(memory)
+    slot = {pid: i for i, pid in enumerate(memory)}
     width = max(passages[p].hidden.shape[0] for p in memory)
+    passage_mask = _pad([torch.ones(passages[p].hidden.shape[0], dtype=torch.bool) for p in memory])
+
+    b, seq_len = len(questions), max(q.hidden.shape[0] for q in questions)
+    targets = torch.full((b, seq_len), -100, dtype=torch.long)
+    weights, lse, target_logit = torch.zeros((b, seq_len)), torch.zeros((b, seq_len)), torch.zeros((b, seq_len))
+    prev = torch.full((b, seq_len), -1, dtype=torch.long)
+    visible = torch.zeros((b, len(memory), width), dtype=torch.bool)
     for row, q in enumerate(questions):
+        others = [p for p in memory if p != q.passage_id]
+        for pid in [q.passage_id, *rng.sample(others, min(distractors, len(others)))]:
+            visible[row, slot[pid]] = passage_mask[slot[pid]]
         answer_len = len(q.targets)
         positions = torch.arange(q.prompt_len - 1, q.prompt_len - 1 + answer_len)
         targets[row, positions] = q.targets
@@ -81,30 +83,23 @@ def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]],
         weights[row, positions[-1]] = end_weight  # the end decision gets real weight, not one token's worth
         lse[row, positions] = q.lm_lse
         target_logit[row, positions] = q.lm_target
-        start = gold_slots[row] * width + q.span[0]  # entry j of a passage pastes its token j
+        start = slot[q.passage_id] * width + q.span[0]  # entry j of a passage pastes its token j
         prev[row, positions[1:]] = torch.arange(start, start + answer_len - 1)
-    passage_hidden = _pad([passages[p].hidden for p in memory])
-    passage_ids = _pad([torch.cat([torch.tensor([bos_id]), passages[p].ids]) for p in memory])
-    passage_mask = _pad([torch.ones(passages[p].hidden.shape[0], dtype=torch.long) for p in memory])
-    for row, chosen in enumerate(chosen_all):  # mask duplicate fillers
-        seen = set()
-        for slot, pid in enumerate(chosen):
-            if pid in seen:
-                passage_mask[row * slots + slot] = 0
-            seen.add(pid)
-    attention = _pad([torch.ones(q.hidden.shape[0], dtype=torch.long) for q in questions])
     return Batch(
-        hidden=_pad(rows_hidden).float(), input_ids=_pad(rows_ids), attention_mask=attention, targets=targets,
-        weights=weights, prev_source=prev, lm_lse=lse, lm_target=target_logit,
-        memory_hidden=passage_hidden.float(), memory_ids=passage_ids, memory_mask=passage_mask,
+        hidden=_pad([q.hidden for q in questions]).float(),
+        input_ids=_pad([torch.tensor(prompts[q.qid] + q.targets[:-1].tolist()) for q in questions]),
+        attention_mask=_pad([torch.ones(q.hidden.shape[0], dtype=torch.long) for q in questions]),
+        targets=targets, weights=weights, prev_source=prev, lm_lse=lse, lm_target=target_logit,
+        memory_hidden=_pad([passages[p].hidden for p in memory]).float(),
+        memory_ids=_pad([torch.cat([torch.tensor([bos_id]), passages[p].ids]) for p in memory]),
+        memory_mask=passage_mask, question_memory_mask=visible.reshape(b, -1),
     )
 
 
 def batch_loss(model, batch: Batch) -> torch.Tensor:
     docs = model.document_keys_from_hidden(batch.memory_hidden, batch.memory_ids, batch.memory_mask)
-    b = batch.hidden.shape[0]
-    memory = CopyMemory(keys=docs.keys.reshape(b, -1, docs.keys.shape[-1]), ids=docs.ids.reshape(b, -1),
-                        mask=docs.mask.reshape(b, -1))
+    memory = CopyMemory(keys=docs.keys.reshape(1, -1, docs.keys.shape[-1]), ids=docs.ids.reshape(1, -1),
+                        mask=batch.question_memory_mask)
     out = model.forward_hidden(
         batch.hidden, batch.input_ids, batch.attention_mask, memory=memory, targets=batch.targets,
         target_weights=batch.weights, prev_source=batch.prev_source, lm_stats=(batch.lm_lse, batch.lm_target),
@@ -172,8 +167,7 @@ def train_head(
     model.train()
     while step < total:
         if not order:
-            order = list(range(len(questions)))
-            rng.shuffle(order)
+            order = _article_grouped_order(questions, rng)
         chosen = [questions[i] for i in order[: config.batch_size]]
         order = order[config.batch_size :]
         batch = make_batch(chosen, prompts, passages, pool, config.distractors, tokenizer.bos_token_id, rng,
@@ -193,6 +187,20 @@ def train_head(
     model.eval()
     return TrainReport(steps=step, examples=len(questions), seconds=time.perf_counter() - started, losses=losses,
                        resumed_from=resumed_from)
+
+
+def _article_grouped_order(questions: list[QuestionFeatures], rng: random.Random) -> list[int]:
+    """A shuffled epoch in which neighbours share an article, so a batch shares its passages (hard distractors)."""
+    by_article: dict[str, list[int]] = {}
+    for index, q in enumerate(questions):
+        by_article.setdefault(q.passage_id.rsplit("#", 1)[0], []).append(index)
+    groups = list(by_article.values())
+    rng.shuffle(groups)
+    order = []
+    for group in groups:
+        rng.shuffle(group)
+        order.extend(group)
+    return order
 
 
 def _save_state(path: Path, model, optimizer, scheduler, rng, step, losses, order, config) -> None:
