@@ -334,6 +334,118 @@ def train_command(
     out.print(table)
 
 
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluation: batch QA against baselines, and benchmarks.")
+app.add_typer(eval_app, name="eval")
+
+
+def _progress_bar(transient: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    return Progress(*columns, console=err, transient=transient)
+
+
+@eval_app.command("squad")
+@reports_errors
+def eval_squad_command(
+    data: Path = typer.Argument(..., help="SQuAD-format JSON with questions and reference answers."),
+    index: Path = typer.Option(None, "--index", "-i", help="Retrieve passages from this index (recall@k)."),
+    oracle: bool = typer.Option(False, "--oracle", help="Gold passage plus 4 distractor passages per question."),
+    modes: str = typer.Option("hidden,visible,closed", "--modes", help="Comma-separated: hidden,visible,closed."),
+    limit: int = typer.Option(None, "--limit", help="A seeded random sample of N questions."),
+    seed: int = typer.Option(0, "--seed"),
+    k: int = typer.Option(5, "-k", help="Passages retrieved per question (with --index)."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
+    checkpoint: Path = CHECKPOINT_OPTION,
+    as_json: bool = JSON_OPTION,
+):
+    """Answer SQuAD questions in every mode with one checkpoint; write results, summary, report and plots.
+
+    Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 300 --out eval/runs/squad
+    """
+    from cprag.errors import ConfigError
+    from cprag.evaluate import SquadEvalConfig, evaluate_squad, write_squad_report
+
+    if (index is None) == (not oracle):
+        raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
+    config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit,
+                             seed=seed, k=k)
+    with err.status("loading the model"):
+        if index is not None:
+            from cprag.api import Index
+
+            opened = Index(index, checkpoint=checkpoint)
+            model, tokenizer = opened.model, opened.tokenizer
+        else:
+            from cprag.checkpoint import load_model
+
+            opened = None
+            model, tokenizer = load_model(checkpoint)
+    with _progress_bar(as_json) as progress:
+        task = progress.add_task("answering", total=None)
+        summary, results = evaluate_squad(data, config, model, tokenizer, opened,
+                                          lambda done, total: progress.update(task, completed=done, total=total))
+    write_squad_report(out_dir, summary, results, f"SQuAD ({summary['eval/source']}, {summary['eval/questions']} q)")
+    if as_json:
+        emit_json(summary)
+        return
+    out.print((out_dir / "report.md").read_text().split("![")[0], highlight=False)
+    err.print(f"wrote {out_dir}/results.jsonl, summary.json, report.md, f1_by_mode.png, latency_by_mode.png")
+
+
+@eval_app.command("bench")
+@reports_errors
+def eval_bench_command(
+    corpus: Path = typer.Option(Path("examples/corpus.jsonl"), "--corpus", help="Corpus to index and query."),
+    index: Path = typer.Option(None, "--index", "-i", help="Use this index instead of building one."),
+    questions: int = typer.Option(5, "--questions", help="Questions per latency figure."),
+    checkpoint: Path = CHECKPOINT_OPTION,
+    as_json: bool = JSON_OPTION,
+):
+    """Measure in one run: keys vs KV-cache bytes per token, hidden vs visible latency at k = 1, 5, 10, key
+    encoding vs bare forward throughput, and warm vs cold key-shard cache throughput.
+
+    Example: cprag eval bench --json
+    """
+    import tempfile
+
+    from cprag.api import Index
+    from cprag.bench import encode_vs_forward, latency_hidden_vs_visible, memory_figures, warm_vs_cold
+    from cprag.checkpoint import load_model
+    from cprag.corpus import read_corpus
+    from cprag.indexing import IndexConfig, build_index
+    from cprag.retrieve import MiniLMEmbedder
+
+    with err.status("loading the model"):
+        model, tokenizer = load_model(checkpoint)
+    documents = read_corpus(corpus).documents
+    with tempfile.TemporaryDirectory() as scratch:
+        if index is None:
+            index = Path(scratch) / "bench-index"
+            with err.status("indexing the corpus"):
+                build_index(corpus, index, model, tokenizer, MiniLMEmbedder(), IndexConfig(rebuild=True))
+        opened = Index(index, model=model, tokenizer=tokenizer)
+        asked = [f"What is said about {d.title or d.id}?" for d in documents][:questions]
+        figures = {}
+        with err.status("memory and throughput"):
+            figures.update(memory_figures(opened))
+            figures.update(encode_vs_forward(model, tokenizer, [d.text for d in documents]))
+        with err.status("hidden vs visible latency"):
+            figures.update(latency_hidden_vs_visible(opened, asked))
+        with err.status("warm vs cold key-shard cache"):
+            figures.update(warm_vs_cold(opened, asked))
+    figures["bench/device"] = opened.device
+    if as_json:
+        emit_json(figures)
+        return
+    table = Table(title="cprag bench (one run)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, str(value))
+    out.print(table)
+
+
 def read_text_argument(value: str) -> str:
     from cprag.errors import ConfigError
 

@@ -78,7 +78,9 @@ def generate(
     passages: list[DevicePassage],
     mode: str = "hidden",
     max_new_tokens: int = 32,
+    stop_at_end: bool = True,
 ) -> Generation:
+    """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing)."""
     window = model.config.max_position_embeddings
     if mode == "visible":
         prompt = _visible_prompt(tokenizer, question, passages, window - max_new_tokens)
@@ -88,7 +90,7 @@ def generate(
         raise QuestionTooLong(len(prompt) + max_new_tokens, window)
     memory, owner, position = shared_memory(passages) if mode == "hidden" else (None, None, None)
     device = next(model.parameters()).device
-    stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
+    stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
     out = model(torch.tensor([prompt], device=device), memory=memory, use_cache=True)
     tokens: list[int] = []

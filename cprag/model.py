@@ -124,14 +124,16 @@ class CopyHead(nn.Module):
 
 
 def context_memory(
-    past: ContextState | None, keys: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+    past: ContextState | None, keys: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+    query_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ContextState]:
     """Own-context memory for T new positions after P past ones.
 
     Entry j is the key of position j and pastes the token at j + 1, so a query at absolute position t may use
     j < t only: never itself (its next token is unknown) and never a later position.
-    Returns keys (B, P+T, D), paste ids (B, P+T), allowed (B, T, P+T) and the updated state, whose keys stay
-    without paste tokens because the last position's next token is not known yet.
+    Returns keys (B, P+T, D), paste ids (B, P+T), allowed (B, Q, P+T) and the updated state, whose keys stay
+    without paste tokens because the last position's next token is not known yet. Queries are the T new
+    positions, or the absolute `query_positions` (B, Q) when only some of them are needed (training).
     """
     if past is not None:
         keys = torch.cat([past.keys, keys], dim=1)
@@ -139,9 +141,10 @@ def context_memory(
         mask = torch.cat([past.mask, mask], dim=1)
     total, new = ids.shape[1], keys.shape[1] - (past.length if past is not None else 0)
     paste_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # (B, P+T)
-    query_pos = torch.arange(total - new, total, device=ids.device)  # (T,)
-    causal = torch.arange(total, device=ids.device).unsqueeze(0) < query_pos.unsqueeze(1)  # (T, P+T)
-    allowed = causal.unsqueeze(0) & mask.unsqueeze(1)  # (B, T, P+T)
+    if query_positions is None:
+        query_positions = torch.arange(total - new, total, device=ids.device).unsqueeze(0)  # (1, T)
+    causal = torch.arange(total, device=ids.device) < query_positions.unsqueeze(-1)  # (B|1, Q, P+T)
+    allowed = causal & mask.unsqueeze(1)  # (B, Q, P+T)
     state = ContextState(keys=keys, ids=ids, mask=mask)
     return keys, paste_ids, allowed, state
 
@@ -313,17 +316,24 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         prev_source: torch.Tensor | None = None,
         lm_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
         return_log_probs: bool = True,
+        query_positions: torch.Tensor | None = None,
     ) -> CPLMOutput:
         """Everything after the backbone, from its final hidden states (B, T, H).
 
-        `lm_stats` = (logsumexp of the LM logits (B, T), LM logit of each target (B, T)) replaces the (B, T, V)
+        `lm_stats` = (logsumexp of the LM logits (B, Q), LM logit of each target (B, Q)) replaces the (B, Q, V)
         LM logits when only the loss is needed: training on cached features never builds the vocabulary matrix.
+        `query_positions` (B, Q) restricts predictions (and targets, prev_source, lm_stats) to those positions,
+        while every position still contributes its own-context key.
         """
         head = self.cp_head
         cp_hidden = self._cp_input(hidden)
-        queries = head.queries(cp_hidden)  # (B, T, D)
         own_keys = head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
-        ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool())
+        ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool(),
+                                                           query_positions)
+        if query_positions is not None:
+            index = query_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            hidden, cp_hidden = hidden.gather(1, index), cp_hidden.gather(1, index)  # (B, Q, H)
+        queries = head.queries(cp_hidden)  # (B, Q, D)
         scores = head.scores(queries, head.with_paste_tokens(ctx_base, ctx_ids))  # (B, T, P+T)
         ids = ctx_ids
         if memory is not None:

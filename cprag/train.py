@@ -30,11 +30,12 @@ class Batch:
     hidden: torch.Tensor  # (B, L, H) question + answer features
     input_ids: torch.Tensor  # (B, L)
     attention_mask: torch.Tensor  # (B, L)
-    targets: torch.Tensor  # (B, L), -100 off the answer/end positions
-    weights: torch.Tensor  # (B, L)
-    prev_source: torch.Tensor  # (B, L) gold memory entry of the previous answer token, -1 otherwise
-    lm_lse: torch.Tensor  # (B, L)
-    lm_target: torch.Tensor  # (B, L)
+    targets: torch.Tensor  # (B, Q) answer tokens then the end, -100 on padding
+    weights: torch.Tensor  # (B, Q)
+    prev_source: torch.Tensor  # (B, Q) gold memory entry of the previous answer token, -1 for the first
+    lm_lse: torch.Tensor  # (B, Q)
+    lm_target: torch.Tensor  # (B, Q)
+    query_positions: torch.Tensor  # (B, Q) positions in the question sequence that predict the targets
     memory_hidden: torch.Tensor  # (N, Tp, H) the batch's distinct passages
     memory_ids: torch.Tensor  # (N, Tp)
     memory_mask: torch.Tensor  # (N, Tp) bool, False on padding
@@ -67,29 +68,32 @@ def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]],
     width = max(passages[p].hidden.shape[0] for p in memory)
     passage_mask = _pad([torch.ones(passages[p].hidden.shape[0], dtype=torch.bool) for p in memory])
 
-    b, seq_len = len(questions), max(q.hidden.shape[0] for q in questions)
-    targets = torch.full((b, seq_len), -100, dtype=torch.long)
-    weights, lse, target_logit = torch.zeros((b, seq_len)), torch.zeros((b, seq_len)), torch.zeros((b, seq_len))
-    prev = torch.full((b, seq_len), -1, dtype=torch.long)
+    b, width_q = len(questions), max(len(q.targets) for q in questions)
+    targets = torch.full((b, width_q), -100, dtype=torch.long)
+    weights, lse, target_logit = torch.zeros((b, width_q)), torch.zeros((b, width_q)), torch.zeros((b, width_q))
+    prev = torch.full((b, width_q), -1, dtype=torch.long)
+    query_positions = torch.zeros((b, width_q), dtype=torch.long)
     visible = torch.zeros((b, len(memory), width), dtype=torch.bool)
     for row, q in enumerate(questions):
         others = [p for p in memory if p != q.passage_id]
         for pid in [q.passage_id, *rng.sample(others, min(distractors, len(others)))]:
             visible[row, slot[pid]] = passage_mask[slot[pid]]
-        answer_len = len(q.targets)
-        positions = torch.arange(q.prompt_len - 1, q.prompt_len - 1 + answer_len)
-        targets[row, positions] = q.targets
-        weights[row, positions] = 1.0
-        weights[row, positions[-1]] = end_weight  # the end decision gets real weight, not one token's worth
-        lse[row, positions] = q.lm_lse
-        target_logit[row, positions] = q.lm_target
+        n = len(q.targets)  # answer tokens, then the end
+        query_positions[row, :n] = torch.arange(q.prompt_len - 1, q.prompt_len - 1 + n)
+        query_positions[row, n:] = q.prompt_len - 1  # padding queries, weight 0
+        targets[row, :n] = q.targets
+        weights[row, :n] = 1.0
+        weights[row, n - 1] = end_weight  # the end decision gets real weight, not one token's worth
+        lse[row, :n] = q.lm_lse
+        target_logit[row, :n] = q.lm_target
         start = slot[q.passage_id] * width + q.span[0]  # entry j of a passage pastes its token j
-        prev[row, positions[1:]] = torch.arange(start, start + answer_len - 1)
+        prev[row, 1:n] = torch.arange(start, start + n - 1)
     return Batch(
         hidden=_pad([q.hidden for q in questions]).float(),
         input_ids=_pad([torch.tensor(prompts[q.qid] + q.targets[:-1].tolist()) for q in questions]),
         attention_mask=_pad([torch.ones(q.hidden.shape[0], dtype=torch.long) for q in questions]),
         targets=targets, weights=weights, prev_source=prev, lm_lse=lse, lm_target=target_logit,
+        query_positions=query_positions,
         memory_hidden=_pad([passages[p].hidden for p in memory]).float(),
         memory_ids=_pad([torch.cat([torch.tensor([bos_id]), passages[p].ids]) for p in memory]),
         memory_mask=passage_mask, question_memory_mask=visible.reshape(b, -1),
@@ -103,7 +107,7 @@ def batch_loss(model, batch: Batch) -> torch.Tensor:
     out = model.forward_hidden(
         batch.hidden, batch.input_ids, batch.attention_mask, memory=memory, targets=batch.targets,
         target_weights=batch.weights, prev_source=batch.prev_source, lm_stats=(batch.lm_lse, batch.lm_target),
-        return_log_probs=False,
+        return_log_probs=False, query_positions=batch.query_positions,
     )
     return out.loss
 

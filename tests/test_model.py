@@ -226,3 +226,24 @@ def test_end_entries_paste_the_end_token_and_the_successor_bias_follows_the_span
         model.cp_head.successor.copy_(torch.tensor([0.0, 6.0]))
     ending = model(x, memory=memory, prev_source=torch.tensor([[3]]))
     assert ending.log_probs[0, 0, model.config.end_id].exp() > 0.9
+
+
+def test_query_positions_give_the_same_loss_as_the_full_sequence():
+    model = tiny_cplm(**ALL_OPTIONS)
+    x = inputs(length=10)
+    memory = model.document_keys(inputs(15, length=12))
+    hidden = model.backbone(x).last_hidden_state
+    positions = torch.tensor([[3, 4, 9], [0, 6, 7]])
+    targets_q = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    previous_q = torch.tensor([[-1, 2, 3], [-1, 0, 1]])
+    targets = torch.full((2, 10), -100)
+    previous = torch.full((2, 10), -1)
+    for row in range(2):
+        targets[row, positions[row]] = targets_q[row]
+        previous[row, positions[row]] = previous_q[row]
+    full = model.forward_hidden(hidden, x, torch.ones_like(x), memory, targets=targets, prev_source=previous)
+    logits = model.lm_logits(hidden).gather(1, positions.unsqueeze(-1).expand(-1, -1, VOCAB_SIZE))
+    stats = (torch.logsumexp(logits, -1), logits.gather(-1, targets_q.unsqueeze(-1)).squeeze(-1))
+    some = model.forward_hidden(hidden, x, torch.ones_like(x), memory, targets=targets_q, prev_source=previous_q,
+                                lm_stats=stats, query_positions=positions, return_log_probs=False)
+    assert torch.allclose(full.loss, some.loss, atol=1e-5)

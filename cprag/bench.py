@@ -1,0 +1,101 @@
+"""`cprag eval bench`: the figures that make the case for hidden-document keys, all measured in one run.
+
+- memory/keys_bytes_per_token vs memory/kv_bytes_per_token (the backbone's bf16 KV cache, from its config)
+- latency/hidden_over_visible@k{1,5,10}: ask latency with passages as keys vs in the prompt, same decode length
+- index/throughput_over_forward: key encoding tokens/s over the bare backbone forward on the same batches
+- reuse/warm_over_cold_qps: batch questions per second with a warm key-shard cache over a cold one
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from cprag.encode import encode_passages, tokenize_passage
+from cprag.generate import generate
+from cprag.indexing import kv_cache_bytes_per_token
+
+
+def _timed(fn: Callable, repeats: int) -> float:
+    fn()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+@torch.inference_mode()
+def encode_vs_forward(model, tokenizer, texts: list[str], max_tokens: int = 4096) -> dict[str, float]:
+    """Tokens/s of key encoding and of the bare backbone forward, on the same passages and batch shapes."""
+    tokenized = [tokenize_passage(tokenizer, t) for t in texts]
+    tokens = sum(len(t.ids) + 1 for t in tokenized)
+    bos = tokenizer.bos_token_id
+    batches = []
+    for start in range(0, len(tokenized), 8):
+        chunk = tokenized[start : start + 8]
+        width = max(len(t.ids) for t in chunk) + 1
+        ids = torch.full((len(chunk), width), bos, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, t in enumerate(chunk):
+            ids[row, 1 : len(t.ids) + 1] = torch.tensor(t.ids)
+            mask[row, : len(t.ids) + 1] = 1
+        batches.append((ids, mask))
+
+    def forward():
+        for ids, mask in batches:
+            model.backbone(input_ids=ids, attention_mask=mask)
+
+    def encode():
+        for _ in encode_passages(model, tokenized, bos_id=bos, max_tokens=max_tokens):
+            pass
+
+    forward_s, encode_s = _timed(forward, 1), _timed(encode, 1)
+    return {"index/encode_tokens_per_s": round(tokens / encode_s, 1),
+            "index/forward_tokens_per_s": round(tokens / forward_s, 1),
+            "index/throughput_over_forward": round(forward_s / encode_s, 3)}
+
+
+def latency_hidden_vs_visible(index, questions: list[str], ks=(1, 5, 10), new_tokens: int = 8) -> dict[str, float]:
+    """Per-question latency (retrieval excluded, warm shards) with the same number of generated tokens."""
+    figures = {}
+    for k in ks:
+        k = min(k, len(index))
+        times = {"hidden": [], "visible": []}
+        for question in questions:
+            hits = index.retrieve([question], k)[0]
+            passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
+            for mode in times:
+                times[mode].append(_timed(lambda m=mode, p=passages, q=question: generate(
+                    index.model, index.tokenizer, q, p, m, max_new_tokens=new_tokens, stop_at_end=False), 1))
+        hidden, visible = float(np.median(times["hidden"])), float(np.median(times["visible"]))
+        figures[f"latency/hidden@k{k}_ms"] = round(hidden * 1000, 1)
+        figures[f"latency/visible@k{k}_ms"] = round(visible * 1000, 1)
+        figures[f"latency/hidden_over_visible@k{k}"] = round(hidden / visible, 3)
+    return figures
+
+
+def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -> dict[str, float]:
+    """Questions per second when every shard must be loaded (cache cleared each time) vs already cached."""
+    def run(clear: bool) -> float:
+        start = time.perf_counter()
+        for question in questions:
+            if clear:
+                index.cache.entries.clear()
+                index.cache.bytes = 0
+            index.ask(question, k=min(k, len(index)), max_new_tokens=new_tokens)
+        return len(questions) / (time.perf_counter() - start)
+
+    cold = run(clear=True)
+    warm = run(clear=False)
+    return {"reuse/cold_qps": round(cold, 3), "reuse/warm_qps": round(warm, 3),
+            "reuse/warm_over_cold_qps": round(warm / cold, 3)}
+
+
+def memory_figures(index) -> dict[str, float]:
+    manifest = index.manifest
+    kv = kv_cache_bytes_per_token(index.model.config.backbone_config)
+    return {"memory/keys_bytes_per_token": manifest["bytes_per_token"], "memory/kv_bytes_per_token": kv,
+            "memory/kv_over_keys": round(kv / manifest["bytes_per_token"], 1)}

@@ -1,0 +1,183 @@
+"""`cprag eval squad`: batch QA in hidden, visible and closed modes, with retrieval recall, latency, key-shard
+reuse, and a report with plots. Summary keys are flat and namespaced (qa/hidden/f1, retrieval/recall@5, ...)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cprag.errors import ConfigError
+from cprag.generate import MODES
+from cprag.metrics import best_over_references, exact_match, f1
+from cprag.qa_eval import QAResult, evaluate_oracle, summarize
+from cprag.squad import read_squad
+
+
+@dataclass
+class SquadEvalConfig:
+    modes: tuple[str, ...] = ("hidden", "visible", "closed")
+    limit: int | None = None
+    seed: int = 0
+    k: int = 5
+    distractors: int = 4
+    max_new_tokens: int = 32
+
+    def __post_init__(self):
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ConfigError("--modes", ",".join(self.modes), f"expected some of {', '.join(MODES)}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError("--limit", self.limit, "must be at least 1")
+        if self.k < 1:
+            raise ConfigError("-k", self.k, "must be at least 1")
+
+
+def sample_examples(data, limit: int | None, seed: int):
+    examples = list(data.examples)
+    if limit is not None and limit < len(examples):
+        examples = random.Random(seed).sample(examples, limit)
+    return examples
+
+
+def evaluate_squad(
+    data_path: str | Path, config: SquadEvalConfig, model, tokenizer, index=None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> tuple[dict, list[QAResult]]:
+    """Answer every sampled question in every mode; with `index` (an opened cprag.Index) passages are retrieved,
+    otherwise each question gets its gold passage plus `distractors` others (oracle)."""
+    data = read_squad(data_path)
+    examples = sample_examples(data, config.limit, config.seed)
+    total = len(examples) * len(config.modes)
+    done = [0]
+
+    def tick(_result):
+        done[0] += 1
+        if on_progress:
+            on_progress(done[0], total)
+
+    extra: dict[str, float] = {}
+    if index is None:
+        results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
+                                  config.seed, config.max_new_tokens, on_result=tick)
+    else:
+        results, extra = _evaluate_with_index(index, examples, config, tick)
+    summary = summarize(results)
+    for mode in config.modes:
+        latencies = [r.latency_ms for r in results if r.mode == mode]
+        summary[f"latency/{mode}/p50_ms"] = round(float(np.percentile(latencies, 50)), 1)
+        summary[f"latency/{mode}/p90_ms"] = round(float(np.percentile(latencies, 90)), 1)
+    summary.update(extra)
+    summary["eval/questions"] = len(examples)
+    summary["eval/source"] = "index" if index is not None else "oracle"
+    return summary, results
+
+
+def _evaluate_with_index(index, examples, config: SquadEvalConfig, tick) -> tuple[list[QAResult], dict]:
+    results, recall, cold, warm = [], [], [], []
+    for example in examples:
+        for mode in config.modes:
+            misses = index.cache.misses
+            tick_start = time.perf_counter()
+            answer = index.ask(example.question, k=config.k, mode=mode, max_new_tokens=config.max_new_tokens)
+            latency = (time.perf_counter() - tick_start) * 1000
+            retrieved = [p["doc_id"] for p in answer.passages]
+            if mode != "closed":
+                (cold if index.cache.misses > misses else warm).append(answer.timings_ms["load_keys"])
+            if mode == config.modes[0]:
+                recall.append([example.passage_id in retrieved[:k] for k in (1, 5, config.k)])
+            result = QAResult(
+                qid=example.qid, mode=mode, question=example.question, prediction=answer.answer,
+                references=example.answers,
+                em=100 * best_over_references(exact_match, answer.answer, example.answers),
+                f1=100 * best_over_references(f1, answer.answer, example.answers), copy_rate=answer.copy_rate,
+                latency_ms=latency, passages=retrieved,
+            )
+            results.append(result)
+            tick(result)
+    hits = np.array(recall, dtype=float)
+    extra = {"retrieval/recall@1": round(float(hits[:, 0].mean()), 4),
+             "retrieval/recall@5": round(float(hits[:, 1].mean()), 4),
+             f"retrieval/recall@{config.k}": round(float(hits[:, 2].mean()), 4)}
+    if cold:
+        extra["reuse/cold_load_ms"] = round(float(np.mean(cold)), 2)
+    if warm:
+        extra["reuse/warm_load_ms"] = round(float(np.mean(warm)), 3)
+        extra["reuse/warm_fraction"] = round(len(warm) / (len(warm) + len(cold)), 3)
+    return results, extra
+
+
+def write_squad_report(out_dir: str | Path, summary: dict, results: list[QAResult], title: str) -> list[Path]:
+    """results.jsonl, summary.json, report.md and two PNG plots (F1 by mode, latency by mode)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "results.jsonl", "w") as handle:
+        for result in results:
+            handle.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    modes = [m for m in MODES if f"qa/{m}/f1" in summary]
+    plots = [_bar_plot(out_dir / "f1_by_mode.png", modes, [[summary[f"qa/{m}/em"] for m in modes],
+                                                              [summary[f"qa/{m}/f1"] for m in modes]],
+                       ["EM", "F1"], "score (%)", f"{title}: EM and F1 by mode")]
+    latencies = [[r.latency_ms for r in results if r.mode == m] for m in modes]
+    plots.append(_box_plot(out_dir / "latency_by_mode.png", modes, latencies, "latency per question (ms)",
+                           f"{title}: latency by mode"))
+    rows = "\n".join(
+        f"| {m} | {summary[f'qa/{m}/n']} | {summary[f'qa/{m}/em']:.1f} | {summary[f'qa/{m}/f1']:.1f} | "
+        f"{summary[f'qa/{m}/copy_rate']:.2f} | {summary[f'latency/{m}/p50_ms']:.0f} | "
+        f"{summary[f'latency/{m}/p90_ms']:.0f} |" for m in modes
+    )
+    others = "\n".join(f"- `{k}`: {v}" for k, v in sorted(summary.items()) if not k.startswith(("qa/", "latency/")))
+    (out_dir / "report.md").write_text(
+        f"# {title}\n\n| mode | n | EM | F1 | copy rate | p50 ms | p90 ms |\n|---|---|---|---|---|---|---|\n{rows}\n\n"
+        f"{others}\n\n![F1 by mode](f1_by_mode.png)\n\n![latency by mode](latency_by_mode.png)\n"
+    )
+    return plots
+
+
+def _bar_plot(path: Path, labels, series, names, ylabel, title) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    width = 0.8 / len(series)
+    for i, (values, name) in enumerate(zip(series, names, strict=True)):
+        positions = np.arange(len(labels)) + (i - (len(series) - 1) / 2) * width
+        bars = ax.bar(positions, values, width, label=name)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks(np.arange(len(labels)), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max(100, max(max(v) for v in series) * 1.15))
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _box_plot(path: Path, labels, values, ylabel, title) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.boxplot(values, tick_labels=labels, showfliers=False)
+    for i, series in enumerate(values, start=1):
+        ax.annotate(f"p50 {np.median(series):.0f} ms", (i, np.median(series)), textcoords="offset points",
+                    xytext=(28, 0), fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
