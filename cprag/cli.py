@@ -423,7 +423,9 @@ def eval_bench_command(
         if index is None:
             index = Path(scratch) / "bench-index"
             with err.status("indexing the corpus"):
-                build_index(corpus, index, model, tokenizer, MiniLMEmbedder(), IndexConfig(rebuild=True))
+                passage_tokens = min(384, model.config.max_position_embeddings // 2)
+                build_index(corpus, index, model, tokenizer, MiniLMEmbedder(),
+                            IndexConfig(max_passage_tokens=passage_tokens, rebuild=True))
         opened = Index(index, model=model, tokenizer=tokenizer)
         asked = [f"What is said about {d.title or d.id}?" for d in documents][:questions]
         figures = {}
@@ -444,6 +446,50 @@ def eval_bench_command(
     for key, value in figures.items():
         table.add_row(key, str(value))
     out.print(table)
+
+
+@eval_app.command("needle")
+@reports_errors
+def eval_needle_command(
+    lengths: str = typer.Option("1000,4000,16000,100000", "--lengths", help="Total haystack tokens."),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle positions as fractions."),
+    trials: int = typer.Option(2, "--trials", help="Numbers tried per (length, depth)."),
+    visible_trials: int = typer.Option(1, "--visible-trials", help="Trials for the (slow) visible baseline."),
+    modes: str = typer.Option("hidden,visible", "--modes"),
+    seed: int = typer.Option(0, "--seed"),
+    out_dir: Path = typer.Option(..., "--out", "-o"),
+    checkpoint: Path = CHECKPOINT_OPTION,
+    as_json: bool = JSON_OPTION,
+):
+    """The magic-number test: hidden keys over haystacks far beyond the window, against a truncated prompt.
+
+    Example: cprag eval needle --lengths 1000,100000 --depths 0,0.5,1 --out eval/runs/needle
+    """
+    from cprag.checkpoint import load_model
+    from cprag.errors import ConfigError
+    from cprag.needle import run_needle, write_needle_report
+
+    try:
+        length_list = [int(v) for v in lengths.split(",")]
+        depth_list = [float(v) for v in depths.split(",")]
+    except ValueError:
+        raise ConfigError("--lengths/--depths", f"{lengths} / {depths}", "expected comma-separated numbers") from None
+    if any(d < 0 or d > 1 for d in depth_list) or any(n < 64 for n in length_list):
+        raise ConfigError("--lengths/--depths", f"{lengths} / {depths}", "depths in [0, 1], lengths >= 64")
+    with err.status("loading the model"):
+        model, tokenizer = load_model(checkpoint)
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    with _progress_bar(as_json) as progress:
+        total = len(length_list) * len(depth_list) * (trials * ("hidden" in mode_list)
+                                                      + min(trials, visible_trials) * ("visible" in mode_list))
+        task = progress.add_task("needles", total=total)
+        summary, results = run_needle(model, tokenizer, length_list, depth_list, trials, mode_list, seed,
+                                      visible_trials, on_result=lambda r: progress.advance(task))
+    write_needle_report(out_dir, summary, results, model.config.max_position_embeddings)
+    if as_json:
+        emit_json(summary)
+        return
+    out.print((out_dir / "report.md").read_text().split("![")[0], highlight=False)
 
 
 def read_text_argument(value: str) -> str:

@@ -1,0 +1,94 @@
+"""Evaluation: the needle generator, and the squad/needle/bench commands end to end on tiny models."""
+
+import json
+
+import pytest
+from test_index_ask import DOCS, tiny_checkpoint, write_jsonl
+from test_train import tiny_squad
+from typer.testing import CliRunner
+
+from cprag.checkpoint import load_model
+from cprag.cli import app
+from cprag.needle import NEEDLE, build_haystack
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return load_model(checkpoint)[1]
+
+
+@pytest.mark.parametrize("length", [300, 1000, 5000, 20000])
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])
+def test_needle_sits_at_the_requested_depth_in_a_haystack_of_the_requested_length(tokenizer, length, depth):
+    haystack = build_haystack(tokenizer, length, depth, "4829173", block_tokens=256)
+    assert abs(haystack.length - length) <= 0.01 * length
+    assert abs(haystack.depth - depth) <= 0.015  # at most 1% away, to start a sentence
+    ids = [t for block in haystack.blocks for t in block]
+    text = tokenizer.decode(ids)
+    assert text.count("4829173") == 1 and NEEDLE.format(number="4829173") in text
+    assert tokenizer.decode(ids[haystack.needle_token:]).lstrip().startswith("The magic number is 4829173.")
+    filler = [b for i, b in enumerate(haystack.blocks) if i != haystack.needle_block]
+    assert len({tuple(b) for b in filler if len(b) == 256}) <= 1  # full filler passages repeat exactly
+
+
+def test_eval_squad_oracle_writes_results_summary_report_and_plots(tmp_path, checkpoint):
+    data = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
+    result = CliRunner().invoke(app, ["eval", "squad", str(data), "--oracle", "--limit", "3", "--out",
+                                      str(tmp_path / "out"), "--checkpoint", str(checkpoint), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    for key in ("qa/hidden/f1", "qa/hidden/em", "qa/visible/f1", "qa/closed/f1", "latency/hidden/p50_ms"):
+        assert key in summary
+    assert summary["qa/hidden/n"] == 3 and summary["eval/source"] == "oracle"
+    lines = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 9 and {json.loads(line)["mode"] for line in lines} == {"hidden", "visible", "closed"}
+    for name in ("summary.json", "report.md", "f1_by_mode.png", "latency_by_mode.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 100
+
+
+def test_eval_squad_with_an_index_reports_recall(tmp_path, checkpoint):
+    data = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
+    runner = CliRunner()
+    built = runner.invoke(app, ["index", str(data), "--index", str(tmp_path / "idx"), "--max-passage-tokens", "120",
+                                "--checkpoint", str(checkpoint)])
+    assert built.exit_code == 0, built.output
+    result = runner.invoke(app, ["eval", "squad", str(data), "--index", str(tmp_path / "idx"), "--modes", "hidden",
+                                 "-k", "2", "--out", str(tmp_path / "out"), "--checkpoint", str(checkpoint),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert 0.0 <= summary["retrieval/recall@1"] <= summary["retrieval/recall@2"] <= 1.0
+    assert summary["retrieval/recall@2"] >= 0.5  # MiniLM finds these short passages
+    assert "reuse/cold_load_ms" in summary
+
+
+def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
+    runner = CliRunner()
+    needle = runner.invoke(app, ["eval", "needle", "--lengths", "200,600", "--depths", "0,1", "--trials", "1",
+                                 "--out", str(tmp_path / "needle"), "--checkpoint", str(checkpoint), "--json"])
+    assert needle.exit_code == 0, needle.output
+    summary = json.loads(needle.stdout)
+    assert "needle/hidden/acc_min" in summary and "needle/visible/acc@600/1.0" in summary
+    assert (tmp_path / "needle" / "needle_heatmap.png").stat().st_size > 1000
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    bench = runner.invoke(app, ["eval", "bench", "--corpus", str(corpus), "--questions", "2", "--checkpoint",
+                                str(checkpoint), "--json"])
+    assert bench.exit_code == 0, bench.output
+    figures = json.loads(bench.stdout)
+    for key in ("memory/keys_bytes_per_token", "memory/kv_bytes_per_token", "latency/hidden_over_visible@k5",
+                "index/throughput_over_forward", "reuse/warm_over_cold_qps"):
+        assert figures[key] > 0
+    assert figures["memory/keys_bytes_per_token"] < figures["memory/kv_bytes_per_token"]
+
+
+def test_eval_rejects_bad_flags_with_one_line(tmp_path, checkpoint):
+    runner = CliRunner()
+    both = runner.invoke(app, ["eval", "squad", "x.json", "--out", str(tmp_path), "--index", "i", "--oracle"])
+    assert both.exit_code != 0 and "exactly one" in both.output
+    depths = runner.invoke(app, ["eval", "needle", "--depths", "2", "--out", str(tmp_path)])
+    assert depths.exit_code != 0 and "depths" in depths.output
