@@ -88,11 +88,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("CPRAG_CACHE", Path.home() / ".cache" / "cprag"))
 
 
+def quiet_transformers() -> None:
+    """transformers draws its own progress bars on load; cprag's progress goes through rich on stderr only."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_backbone(ref: BaseReference, use_cache: bool = True):
     """Load (backbone LlamaModel in fp32, tokenizer) for a base reference, checking the GGUF's sha256."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
+    quiet_transformers()
     cached = cache_root() / "backbones" / ref.sha256[:24]
     if use_cache and (cached / "config.json").is_file():
         backbone = AutoModel.from_pretrained(cached, dtype=torch.float32)
@@ -111,9 +119,6 @@ def load_backbone(ref: BaseReference, use_cache: bool = True):
 def _load_gguf(path: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -351,7 +351,8 @@ def eval_squad_command(
     data: Path = typer.Argument(..., help="SQuAD-format JSON with questions and reference answers."),
     index: Path = typer.Option(None, "--index", "-i", help="Retrieve passages from this index (recall@k)."),
     oracle: bool = typer.Option(False, "--oracle", help="Gold passage plus 4 distractor passages per question."),
-    modes: str = typer.Option("hidden,visible,closed", "--modes", help="Comma-separated: hidden,visible,closed."),
+    modes: str = typer.Option("hidden,visible,closed", "--modes",
+                              help="Comma-separated: hidden,visible,closed; 'none' for retrieval recall only."),
     limit: int = typer.Option(None, "--limit", help="A seeded random sample of N questions."),
     seed: int = typer.Option(0, "--seed"),
     k: int = typer.Option(5, "-k", help="Passages retrieved per question (with --index)."),
@@ -368,8 +369,8 @@ def eval_squad_command(
 
     if (index is None) == (not oracle):
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
-    config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit,
-                             seed=seed, k=k)
+    config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
+                             limit=limit, seed=seed, k=k)
     with err.status("loading the model"):
         if index is not None:
             from cprag.api import Index

@@ -34,6 +34,9 @@ class MiniLMEmbedder:
     def __init__(self, device: str = "cpu", max_length: int = 256):
         from transformers import AutoModel, AutoTokenizer
 
+        from cprag.backbone import quiet_transformers
+
+        quiet_transformers()
         try:
             directory = package_directory(RETRIEVER_PACKAGE) / "model"
         except BackboneNotInstalled:
