@@ -230,20 +230,30 @@ def ask_command(
 
 
 def render_answer(answer, opened) -> None:
+    """The answer, then each cited passage once with every span copied from it highlighted."""
     from rich.panel import Panel
     from rich.text import Text
 
     out.print(Panel(Text(answer.answer or "(no answer)", style="bold"), title=answer.question, subtitle=answer.mode))
-    for number, citation in enumerate(answer.citations, start=1):
-        stored = next(p for p in opened.cache.entries.values() if p.passage.doc_id == citation.doc_id).passage
-        local_start = citation.start - stored.char_start
-        local_end = citation.end - stored.char_start
+    passages = {entry.passage.passage_id: entry.passage for entry in opened.cache.entries.values()}
+    cited: dict[str, list] = {}
+    for citation in answer.citations:
+        for stored in passages.values():
+            if stored.doc_id == citation.doc_id and stored.char_start <= citation.start < stored.char_start + len(
+                    stored.text):
+                cited.setdefault(stored.passage_id, []).append(citation)
+                break
+    for number, (passage_id, citations) in enumerate(cited.items(), start=1):
+        stored = passages[passage_id]
         text = Text(stored.text)
-        text.stylize("bold black on yellow", local_start, local_end)
-        out.print(Panel(text, title=f"[{number}] {citation.doc_id}: {citation.title}", title_align="left"))
-    passages = ", ".join(f"{p['doc_id']} ({p['score']:.2f})" for p in answer.passages)
+        for citation in citations:
+            text.stylize("bold black on yellow", citation.start - stored.char_start, citation.end - stored.char_start)
+        spans = ", ".join(f"{c.start}-{c.end}" for c in citations)
+        out.print(Panel(text, title=f"[{number}] {stored.doc_id}: {stored.title}", subtitle=f"copied chars {spans}",
+                        title_align="left"))
+    retrieved = ", ".join(f"{p['doc_id']} ({p['score']:.2f})" for p in answer.passages)
     timings = ", ".join(f"{name} {ms:.0f} ms" for name, ms in answer.timings_ms.items())
-    out.print(f"copy rate {answer.copy_rate:.0%} · passages: {passages or 'none'}\n{timings}", highlight=False)
+    out.print(f"copy rate {answer.copy_rate:.0%} · passages: {retrieved or 'none'}\n{timings}", highlight=False)
 
 
 def read_questions(path: Path) -> list[str]:
