@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from cprag.encode import encode_passages, tokenize_passage
+from cprag.encode import encode_passages, length_batches, tokenize_passage
 from cprag.generate import generate
 from cprag.indexing import kv_cache_bytes_per_token
 
@@ -29,20 +29,11 @@ def _timed(fn: Callable, repeats: int) -> float:
 
 @torch.inference_mode()
 def encode_vs_forward(model, tokenizer, texts: list[str], max_tokens: int = 4096) -> dict[str, float]:
-    """Tokens/s of key encoding and of the bare backbone forward, on the same passages and batch shapes."""
+    """Tokens/s of key encoding and of the bare backbone forward, on the very same batches."""
     tokenized = [tokenize_passage(tokenizer, t) for t in texts]
     tokens = sum(len(t.ids) + 1 for t in tokenized)
     bos = tokenizer.bos_token_id
-    batches = []
-    for start in range(0, len(tokenized), 8):
-        chunk = tokenized[start : start + 8]
-        width = max(len(t.ids) for t in chunk) + 1
-        ids = torch.full((len(chunk), width), bos, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, t in enumerate(chunk):
-            ids[row, 1 : len(t.ids) + 1] = torch.tensor(t.ids)
-            mask[row, : len(t.ids) + 1] = 1
-        batches.append((ids, mask))
+    batches = [(ids, mask) for _, ids, mask in length_batches(tokenized, bos, max_tokens)]
 
     def forward():
         for ids, mask in batches:
@@ -52,7 +43,7 @@ def encode_vs_forward(model, tokenizer, texts: list[str], max_tokens: int = 4096
         for _ in encode_passages(model, tokenized, bos_id=bos, max_tokens=max_tokens):
             pass
 
-    forward_s, encode_s = _timed(forward, 1), _timed(encode, 1)
+    forward_s, encode_s = _timed(forward, 2), _timed(encode, 2)
     return {"index/encode_tokens_per_s": round(tokens / encode_s, 1),
             "index/forward_tokens_per_s": round(tokens / forward_s, 1),
             "index/throughput_over_forward": round(forward_s / encode_s, 3)}

@@ -7,7 +7,7 @@ last token pastes the end-of-turn token, with an empty span at the passage's end
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,16 +32,25 @@ def tokenize_passage(tokenizer, text: str) -> TokenizedPassage:
     return TokenizedPassage(ids=list(encoded["input_ids"]), offsets=[tuple(o) for o in encoded["offset_mapping"]])
 
 
-def _batches(order: list[int], lengths: list[int], max_tokens: int) -> Iterator[list[int]]:
+def length_batches(passages: list[TokenizedPassage], bos_id: int, max_tokens: int = 4096):
+    """Yield (indices, input_ids, attention_mask): [BOS] + tokens, right padded, longest first, each batch at most
+    `max_tokens` padded tokens. Key encoding and the bare-forward benchmark use exactly these batches."""
+    lengths = [len(p.ids) + 1 for p in passages]
+    order = sorted(range(len(passages)), key=lambda i: -lengths[i])
     batch: list[int] = []
-    for index in order:
-        longest = max([lengths[i] for i in batch] + [lengths[index]])
-        if batch and longest * (len(batch) + 1) > max_tokens:
-            yield batch
-            batch = []
-        batch.append(index)
-    if batch:
-        yield batch
+    for index in order + [None]:
+        if index is not None and not (batch and lengths[batch[0]] * (len(batch) + 1) > max_tokens):
+            batch.append(index)
+            continue
+        if batch:
+            width = lengths[batch[0]]
+            input_ids = torch.full((len(batch), width), bos_id, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                input_ids[row, 1 : lengths[i]] = torch.tensor(passages[i].ids, dtype=torch.long)
+                attention[row, : lengths[i]] = 1
+            yield batch, input_ids, attention
+        batch = [index] if index is not None else []
 
 
 @torch.inference_mode()
@@ -57,20 +66,13 @@ def encode_passages(
     `max_tokens` bounds a batch's padded size; `on_batch` is told how many passages each batch finished.
     """
     device = next(model.parameters()).device
-    lengths = [len(p.ids) + 1 for p in passages]
-    order = sorted(range(len(passages)), key=lambda i: -lengths[i])
-    for batch in _batches(order, lengths, max_tokens):
-        width = max(lengths[i] for i in batch)
-        input_ids = torch.full((len(batch), width), bos_id, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, index in enumerate(batch):
-            input_ids[row, 1 : lengths[index]] = torch.tensor(passages[index].ids, dtype=torch.long)
-            attention[row, : lengths[index]] = 1
+    for batch, input_ids, attention in length_batches(passages, bos_id, max_tokens):
+        lengths = attention.sum(-1).tolist()
         memory = model.document_keys(input_ids.to(device), attention.to(device))
         keys = memory.keys.to(torch.float16).cpu().numpy()
         paste_ids = memory.ids.cpu().numpy().astype(np.int32)
         for row, index in enumerate(batch):
-            n = lengths[index]
+            n = lengths[row]
             offsets = np.asarray(passages[index].offsets, dtype=np.int32).reshape(n - 1, 2)
             end = offsets[-1, 1] if n > 1 else 0
             yield index, PassageKeys(
