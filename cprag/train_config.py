@@ -20,7 +20,7 @@ class TrainConfig:
     save_every: int = 100
     max_steps: int | None = None
     head: dict = field(default_factory=lambda: {
-        "key_dim": 64, "key_sees_token": True, "doc_refine_layers": 1, "doc_refine_dim": 128,
+        "key_dim": 64, "key_sees_token": False, "doc_refine_layers": 1, "doc_refine_dim": 128,
         "end_entries": True, "successor_bias": True,
     })
 

@@ -21,7 +21,7 @@ BASE = TrainConfig()
 VARIANTS: dict[str, dict] = {
     "default": {},
     "no refiner (causal document keys)": {"head": {**BASE.head, "doc_refine_layers": 0}},
-    "keys without their paste token": {"head": {**BASE.head, "key_sees_token": False}},
+    "keys that also see their paste token": {"head": {**BASE.head, "key_sees_token": True}},
     "no end entries": {"head": {**BASE.head, "end_entries": False}},
     "no successor bias": {"head": {**BASE.head, "successor_bias": False}},
     "no end entries, no successor (plain CP head)": {"head": {**BASE.head, "end_entries": False,
