@@ -16,7 +16,7 @@ from cprag.checkpoint import model_fingerprint, new_cplm
 from cprag.features import extract_features, features_key, load_or_extract
 from cprag.qa_eval import evaluate_oracle, summarize
 from cprag.squad import article_split, read_squad
-from cprag.train import train_head
+from cprag.train import STATE_FILE, train_head
 from cprag.train_config import TrainConfig
 
 
@@ -76,11 +76,8 @@ def train_checkpoint(
     with open(out_dir / "validation.jsonl", "w") as handle:
         for result in results:
             handle.write(json.dumps(asdict(result)) + "\n")
-    (out_dir / STATE_NOTE).unlink(missing_ok=True)
+    (out_dir / STATE_FILE).unlink(missing_ok=True)  # finished: a rerun trains afresh instead of resuming
     return metrics
-
-
-STATE_NOTE = "train_state.pt"
 
 
 def _tail_mean(values: list[float], n: int = 50) -> float:
