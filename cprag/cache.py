@@ -18,6 +18,12 @@ class DevicePassage:
     keys: torch.Tensor  # (n, D) on the device, in the generator's dtype
     ids: torch.Tensor  # (n,) int64 on the device
 
+    @classmethod
+    def from_stored(cls, stored: StoredPassage, device, dtype: torch.dtype) -> DevicePassage:
+        """Move a stored passage's keys (in `dtype`) and token ids (int64) to `device`."""
+        keys = torch.from_numpy(np.array(stored.keys.keys)).to(device, dtype)
+        return cls(passage=stored, keys=keys, ids=torch.from_numpy(stored.keys.ids.astype(np.int64)).to(device))
+
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.ids.numel() * self.ids.element_size()
@@ -51,9 +57,7 @@ class KeyCache:
         return found
 
     def _put(self, pid: str, stored: StoredPassage) -> None:
-        keys = torch.from_numpy(np.array(stored.keys.keys)).to(self.device, self.dtype)
-        ids = torch.from_numpy(stored.keys.ids.astype(np.int64)).to(self.device)
-        entry = DevicePassage(passage=stored, keys=keys, ids=ids)
+        entry = DevicePassage.from_stored(stored, self.device, self.dtype)
         self.entries[pid] = entry
         self.bytes += entry.nbytes
 

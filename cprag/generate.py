@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from cprag.model import CopyMemory
 from cprag.prompt import end_of_turn_id, prompt_ids
 
 MODES = ("hidden", "visible", "closed")
+LOG_HALF = math.log(0.5)
 
 
 @dataclass
@@ -65,7 +67,7 @@ def _copied_source(out, token: int, memory: CopyMemory | None) -> int | None:
     copied = out.log_gate[0, -1] + torch.logsumexp(masked, -1)
     total = out.log_probs[0, -1, token]
     # copied mass above half of p(token): the copy path, not the generator, chose it
-    if copied - total < torch.log(torch.tensor(0.5)):
+    if copied - total < LOG_HALF:
         return None
     return int(masked.argmax())
 

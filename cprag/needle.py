@@ -125,8 +125,7 @@ class HaystackKeys:
     def _device(self, block: tuple[int, ...], keys: PassageKeys) -> DevicePassage:
         stored = StoredPassage(passage_id=str(hash(block)), doc_id="haystack", title="haystack",
                                text=self.tokenizer.decode(list(block)), char_start=0, keys=keys)
-        return DevicePassage(passage=stored, keys=torch.from_numpy(np.array(keys.keys)).to(self.device, self.dtype),
-                             ids=torch.from_numpy(keys.ids.astype(np.int64)).to(self.device))
+        return DevicePassage.from_stored(stored, self.device, self.dtype)
 
 
 def visible_passage(tokenizer, haystack: Haystack, window: int, reserve: int) -> list[DevicePassage]:

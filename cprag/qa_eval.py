@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from cprag.cache import DevicePassage
 from cprag.encode import PassageKeys, encode_passages, tokenize_passage
@@ -64,10 +63,7 @@ class OracleMemory:
     def _device_passage(self, pid: str, keys: PassageKeys) -> DevicePassage:
         title, text = self.passages[pid]
         stored = StoredPassage(passage_id=pid, doc_id=pid, title=title, text=text, char_start=0, keys=keys)
-        return DevicePassage(
-            passage=stored, keys=torch.from_numpy(np.array(keys.keys)).to(self.device, self.dtype),
-            ids=torch.from_numpy(keys.ids.astype(np.int64)).to(self.device),
-        )
+        return DevicePassage.from_stored(stored, self.device, self.dtype)
 
 
 def evaluate_oracle(
