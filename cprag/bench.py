@@ -49,6 +49,19 @@ def encode_vs_forward(model, tokenizer, texts: list[str], max_tokens: int = 4096
             "index/throughput_over_forward": round(forward_s / encode_s, 3)}
 
 
+@torch.inference_mode()
+def forward_tokens_per_second(model, batch: int = 8, length: int = 128, repeats: int = 3, seed: int = 0) -> float:
+    """Tokens per second of a batched backbone forward pass on random ids (one warm-up pass first)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, length), generator=generator).to(next(model.parameters()).device)
+    model.backbone(ids)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        model.backbone(ids)
+    return batch * length * repeats / (time.perf_counter() - start)
+
+
 def latency_hidden_vs_visible(index, questions: list[str], ks=(1, 5, 10), new_tokens: int = 8) -> dict[str, float]:
     """Per-question latency (retrieval excluded, warm shards) with the same number of generated tokens."""
     figures = {}

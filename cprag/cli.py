@@ -66,7 +66,7 @@ def model_command(
 
     Example: cprag model --bench
     """
-    from cprag.benchmark import forward_tokens_per_second
+    from cprag.bench import forward_tokens_per_second
     from cprag.checkpoint import load_model, model_fingerprint
 
     start = time.perf_counter()
