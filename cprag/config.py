@@ -29,6 +29,14 @@ class CPLMConfig(PreTrainedConfig):
     # passages are encoded offline, so their keys may see the whole passage: a small bidirectional refinement
     doc_refine_layers: int = 0
     doc_refine_dim: int = 128
+    # document keys also see the hidden states of the next `doc_lookahead` tokens (position-exact, unlike the
+    # refiner): key j pastes token j+1, which a causal h_j has not read yet
+    doc_lookahead: int = 0
+    # backbone hidden-state indices (0 = embeddings) whose RMS-normalised states join the final hidden state as
+    # the CP head's input: middle layers of a causal LM carry more about a token than its next-token prediction
+    cp_layers: list[int] | None = None
+    # width of a GELU layer inside the query and key projections (0: linear projections)
+    head_mlp_dim: int = 0
     # "end after this token" entries: a second query over the same stored keys, pasting the end-of-turn token
     end_entries: bool = False
     # learned bias toward the entry right after the one just copied from (continue the span, or end it there)
@@ -44,6 +52,13 @@ class CPLMConfig(PreTrainedConfig):
         if self.doc_refine_layers < 0 or self.doc_refine_dim < 8:
             raise ConfigError("doc_refine_layers/doc_refine_dim", (self.doc_refine_layers, self.doc_refine_dim),
                               "need layers >= 0 and a dim of at least 8")
+        layers = self.backbone_config.num_hidden_layers if self.backbone_config is not None else None
+        if self.cp_layers and layers is not None and not all(0 <= i <= layers for i in self.cp_layers):
+            raise ConfigError("cp_layers", self.cp_layers, f"each index must be in 0..{layers}")
+        if self.head_mlp_dim < 0:
+            raise ConfigError("head_mlp_dim", self.head_mlp_dim, "must be >= 0")
+        if self.doc_lookahead < 0:
+            raise ConfigError("doc_lookahead", self.doc_lookahead, "must be >= 0")
         if self.base_model is not None:
             missing = {"kind", "file", "sha256"} - set(self.base_model)
             if missing:
@@ -62,6 +77,11 @@ class CPLMConfig(PreTrainedConfig):
     @property
     def hidden_size(self) -> int:
         return self.backbone_config.hidden_size
+
+    @property
+    def cp_input_size(self) -> int:
+        """Width of the CP head's input: the final hidden state plus one per `cp_layers` entry."""
+        return self.hidden_size * (1 + len(self.cp_layers or []))
 
     @property
     def vocab_size(self) -> int:

@@ -1,8 +1,9 @@
 """Backbone features cached once for CP-head training: the frozen backbone runs each passage and each
 (question + answer) sequence one time, and training then only touches the small trainable parts.
 
-Passages: final hidden states of [BOS, t_1 .. t_n]. Questions: final hidden states of the chat prompt followed by
-the answer as the passage's own tokens, with the LM head's logsumexp and target logit at the answer positions.
+Passages: the CP head's input for [BOS, t_1 .. t_n] (the final hidden states, plus the `cp_layers` states when
+configured). Questions: final hidden states of the chat prompt followed by the answer as the passage's own tokens,
+their CP-head input, and the LM head's logsumexp and target logit at the answer positions.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from cprag.encode import tokenize_passage
 from cprag.prompt import end_of_turn_id, prompt_ids
 from cprag.squad import SquadData, answer_token_span
 
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
 
 
 @dataclass
 class PassageFeatures:
-    hidden: torch.Tensor  # (n + 1, H) float16, for [BOS, t_1 .. t_n]
+    hidden: torch.Tensor  # (n + 1, C) float16 CP-head input, for [BOS, t_1 .. t_n]
     ids: torch.Tensor  # (n,) int64 passage tokens
     offsets: torch.Tensor  # (n, 2) int64 character spans
 
@@ -32,7 +33,8 @@ class PassageFeatures:
 class QuestionFeatures:
     qid: str
     passage_id: str
-    hidden: torch.Tensor  # (L, H) float16 for prompt + answer tokens
+    hidden: torch.Tensor  # (L, H) float16 final hidden states of prompt + answer tokens
+    cp: torch.Tensor | None  # (L, C) float16 CP-head input, None when it is `hidden` itself
     prompt_len: int
     span: tuple[int, int]  # inclusive passage-token range of the answer
     targets: torch.Tensor  # (A + 1,) answer tokens then the end-of-turn token
@@ -40,9 +42,10 @@ class QuestionFeatures:
     lm_target: torch.Tensor  # (A + 1,) float32 LM logit of each target
 
 
-def features_key(data_path: Path, fingerprint: str) -> str:
+def features_key(data_path: Path, fingerprint: str, cp_layers: list[int] | None = None) -> str:
     digest = hashlib.sha256(Path(data_path).read_bytes()).hexdigest()[:12]
-    return f"v{FEATURES_VERSION}-{digest}-{fingerprint[:12]}"
+    layers = "-L" + ".".join(map(str, cp_layers)) if cp_layers else ""
+    return f"v{FEATURES_VERSION}-{digest}-{fingerprint[:12]}{layers}"
 
 
 def _batched(items: list, lengths: list[int], max_tokens: int):
@@ -58,9 +61,10 @@ def _batched(items: list, lengths: list[int], max_tokens: int):
 
 
 @torch.inference_mode()
-def _hidden_states(backbone, sequences: list[list[int]], pad_id: int, max_tokens: int, on_batch: Callable | None):
-    """Final hidden states of each sequence (right padded, batched by length)."""
-    result: list[torch.Tensor | None] = [None] * len(sequences)
+def _hidden_states(model, sequences: list[list[int]], pad_id: int, max_tokens: int, on_batch: Callable | None):
+    """(final hidden states, CP-head input or None) of each sequence (right padded, batched by length)."""
+    result: list[tuple | None] = [None] * len(sequences)
+    separate = bool(model.config.cp_layers)
     lengths = [len(s) for s in sequences]
     for batch in _batched(sequences, lengths, max_tokens):
         width = max(lengths[i] for i in batch)
@@ -69,9 +73,11 @@ def _hidden_states(backbone, sequences: list[list[int]], pad_id: int, max_tokens
         for row, index in enumerate(batch):
             ids[row, : lengths[index]] = torch.tensor(sequences[index])
             mask[row, : lengths[index]] = 1
-        hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden, features, _ = model.encode_hidden(ids, mask)
         for row, index in enumerate(batch):
-            result[index] = hidden[row, : lengths[index]].to(torch.float16).clone()
+            n = lengths[index]
+            result[index] = (hidden[row, :n].to(torch.float16).clone(),
+                             features[row, :n].to(torch.float16).clone() if separate else None)
         if on_batch:
             on_batch(len(batch))
     return result
@@ -97,11 +103,11 @@ def extract_features(
         return inner
 
     total = [len(sequences)]
-    hidden = _hidden_states(model.backbone, sequences, bos, max_tokens, tick("passages"))
+    hidden = _hidden_states(model, sequences, bos, max_tokens, tick("passages"))
     passages = {
-        pid: PassageFeatures(hidden=h, ids=torch.tensor(tokenized[pid].ids),
+        pid: PassageFeatures(hidden=h if cp is None else cp, ids=torch.tensor(tokenized[pid].ids),
                              offsets=torch.tensor(tokenized[pid].offsets).reshape(-1, 2))
-        for pid, h in zip(passage_ids, hidden, strict=True)
+        for pid, (h, cp) in zip(passage_ids, hidden, strict=True)
     }
 
     skipped: dict[str, int] = {}
@@ -119,16 +125,16 @@ def extract_features(
         kept.append((example, span, answer_ids, len(prompt)))
         question_sequences.append(prompt + answer_ids)
     done[0], total[0] = 0, len(question_sequences)
-    hidden = _hidden_states(model.backbone, question_sequences, bos, max_tokens, tick("questions"))
+    hidden = _hidden_states(model, question_sequences, bos, max_tokens, tick("questions"))
     embeddings = model.get_input_embeddings().weight
     questions = []
     with torch.inference_mode():
-        for (example, span, answer_ids, prompt_len), h in zip(kept, hidden, strict=True):
+        for (example, span, answer_ids, prompt_len), (h, cp) in zip(kept, hidden, strict=True):
             targets = torch.tensor(answer_ids + [end])
             positions = h[prompt_len - 1 :].float()  # (A + 1, H)
             logits = positions @ embeddings.T
             questions.append(QuestionFeatures(
-                qid=example.qid, passage_id=example.passage_id, hidden=h, prompt_len=prompt_len, span=span,
+                qid=example.qid, passage_id=example.passage_id, hidden=h, cp=cp, prompt_len=prompt_len, span=span,
                 targets=targets, lm_lse=torch.logsumexp(logits, -1),
                 lm_target=logits.gather(-1, targets[:, None]).squeeze(-1),
             ))

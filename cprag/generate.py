@@ -55,17 +55,30 @@ def shared_memory(passages: list[DevicePassage]) -> tuple[CopyMemory | None, tor
     return CopyMemory(keys=keys, ids=ids), owner, position
 
 
-def _copied_source(out, token: int, memory: CopyMemory | None) -> int | None:
+@dataclass
+class Step:
+    """One position's outputs: what the next token is chosen from."""
+
+    log_probs: torch.Tensor  # (V,)
+    log_gate: torch.Tensor  # ()
+    copy_log_attention: torch.Tensor  # (E + P,)
+
+    @classmethod
+    def at(cls, out, position: int) -> Step:
+        return cls(out.log_probs[0, position], out.log_gate[0, position], out.copy_log_attention[0, position])
+
+
+def _copied_source(step: Step, token: int, memory: CopyMemory | None) -> int | None:
     """The memory entry a token was copied from, when the copy path gave it more mass than the generator."""
     if memory is None:
         return None
-    log_a = out.copy_log_attention[0, -1, : memory.size]
+    log_a = step.copy_log_attention[: memory.size]
     same = memory.ids[0] == token
     if not bool(same.any()):
         return None
     masked = log_a.masked_fill(~same, NEG_INF)
-    copied = out.log_gate[0, -1] + torch.logsumexp(masked, -1)
-    total = out.log_probs[0, -1, token]
+    copied = step.log_gate + torch.logsumexp(masked, -1)
+    total = step.log_probs[token]
     # copied mass above half of p(token): the copy path, not the generator, chose it
     if copied - total < LOG_HALF:
         return None
@@ -81,8 +94,14 @@ def generate(
     mode: str = "hidden",
     max_new_tokens: int = 32,
     stop_at_end: bool = True,
+    draft_tokens: int = 8,
 ) -> Generation:
-    """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing)."""
+    """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
+
+    A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
+    and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
+    the same token from the same entry, so the answer is exactly the plain greedy one, in fewer passes.
+    """
     window = model.config.max_position_embeddings
     if mode == "visible":
         prompt = _visible_prompt(tokenizer, question, passages, window - max_new_tokens)
@@ -94,25 +113,62 @@ def generate(
     device = next(model.parameters()).device
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
-    out = model(torch.tensor([prompt], device=device), memory=memory, use_cache=True)
+    last = torch.tensor([[len(prompt) - 1]], device=device)  # only the last prompt position predicts
+    out = model(torch.tensor([prompt], device=device), memory=memory, use_cache=True, query_positions=last)
+    step, context = Step.at(out, -1), out.context
     tokens: list[int] = []
     sources: list[tuple[int, int] | None] = []
-    for _ in range(max_new_tokens):
-        token = int(out.log_probs[0, -1].argmax())
-        if token in stop:
-            break
-        entry = _copied_source(out, token, memory)
+
+    def emit(token: int, entry: int | None) -> None:
         tokens.append(token)
         sources.append(None if entry is None else (int(owner[entry]), int(position[entry])))
-        previous = torch.tensor([[-1 if entry is None else entry]], device=device)  # for the successor bias
-        out = model(torch.tensor([[token]], device=device), memory=memory, context=out.context, use_cache=True,
-                    prev_source=previous)
+
+    while len(tokens) < max_new_tokens:
+        token = int(step.log_probs.argmax())
+        if token in stop:
+            break
+        entry = _copied_source(step, token, memory)
+        emit(token, entry)
+        if len(tokens) == max_new_tokens:
+            break
+        draft = _successors(entry, owner, min(draft_tokens, max_new_tokens - len(tokens)))
+        feed = [token] + [int(memory.ids[0, e]) for e in draft]
+        previous = [-1 if entry is None else entry] + draft  # the successor bias sees each token's source
+        out = model(torch.tensor([feed], device=device), memory=memory, context=context, use_cache=True,
+                    prev_source=torch.tensor([previous], device=device))
+        kept = 0
+        for drafted in draft:
+            step = Step.at(out, kept)
+            guess = int(step.log_probs.argmax())
+            if guess != int(memory.ids[0, drafted]) or guess in stop or \
+                    _copied_source(step, guess, memory) != drafted:
+                break
+            emit(guess, drafted)
+            kept += 1
+        step, context = Step.at(out, kept), _rewind(out.context, len(draft) - kept)
     generation = Generation(
         answer=tokenizer.decode(tokens, skip_special_tokens=True).strip(), token_ids=tokens, sources=sources,
         prompt_tokens=len(prompt),
     )
     generation.citations = citations(generation, passages) if mode == "hidden" else []
     return generation
+
+
+def _successors(entry: int | None, owner: torch.Tensor | None, count: int) -> list[int]:
+    """Entries entry+1 .. entry+count that belong to the same passage (nothing for a generated token)."""
+    if entry is None or count <= 0:
+        return []
+    last = min(entry + count, len(owner) - 1)
+    return [e for e in range(entry + 1, last + 1) if owner[e] == owner[entry]]
+
+
+def _rewind(context, drop: int):
+    """Forget the last `drop` positions of the running context (rejected draft tokens) and of its KV cache."""
+    if drop <= 0:
+        return context
+    context.keys, context.ids, context.mask = (t[:, :-drop] for t in (context.keys, context.ids, context.mask))
+    context.cache.crop(-drop)
+    return context
 
 
 def citations(generation: Generation, passages: list[DevicePassage]) -> list[Citation]:

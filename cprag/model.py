@@ -62,6 +62,17 @@ class CPLMOutput(ModelOutput):
     context: ContextState | None = None
 
 
+def cp_features(last_hidden: torch.Tensor, hidden_states: tuple | None, layers: list[int] | None) -> torch.Tensor:
+    """The CP head's input: RMS-normalised hidden states of `layers`, then the final (normed) hidden state.
+
+    last_hidden (B, T, H), hidden_states: the backbone's per-layer tuple -> (B, T, H * (len(layers) + 1)).
+    """
+    if not layers:
+        return last_hidden
+    parts = [hidden_states[i] * torch.rsqrt(hidden_states[i].pow(2).mean(-1, keepdim=True) + 1e-6) for i in layers]
+    return torch.cat([*parts, last_hidden], dim=-1)
+
+
 class DocumentRefiner(nn.Module):
     """Bidirectional layers over a passage's hidden states, adding to its keys what comes after each token.
 
@@ -81,6 +92,13 @@ class DocumentRefiner(nn.Module):
         return self.up(self.layers(self.down(hidden), src_key_padding_mask=~mask))
 
 
+def projection(inputs: int, outputs: int, mlp_dim: int) -> nn.Module:
+    """A linear map, or a one-hidden-layer GELU MLP when `mlp_dim` > 0."""
+    if not mlp_dim:
+        return nn.Linear(inputs, outputs)
+    return nn.Sequential(nn.Linear(inputs, mlp_dim), nn.GELU(), nn.Linear(mlp_dim, outputs))
+
+
 class CopyHead(nn.Module):
     """Query and key projections into a D-dim space, and a learned sink key that hands mass back to p_gen.
 
@@ -90,15 +108,16 @@ class CopyHead(nn.Module):
 
     def __init__(self, config: CPLMConfig):
         super().__init__()
-        hidden_size, key_dim = config.hidden_size, config.key_dim
+        hidden_size, key_dim = config.cp_input_size, config.key_dim
         self.key_dim = key_dim
-        self.q_proj = nn.Linear(hidden_size, key_dim)
-        self.k_proj = nn.Linear(hidden_size, key_dim)
+        self.q_proj = projection(hidden_size, key_dim, config.head_mlp_dim)
+        self.k_proj = projection(hidden_size, key_dim, config.head_mlp_dim)
         self.sink_key = nn.Parameter(torch.zeros(key_dim))
         self.sink_bias = nn.Parameter(torch.zeros(()))
         self.paste_embedding = nn.Embedding(config.vocab_size, key_dim) if config.key_sees_token else None
-        self.end_q_proj = nn.Linear(hidden_size, key_dim) if config.end_entries else None
+        self.end_q_proj = projection(hidden_size, key_dim, config.head_mlp_dim) if config.end_entries else None
         self.successor = nn.Parameter(torch.zeros(2)) if config.successor_bias else None  # (continue, end)
+        self.lookahead = nn.ModuleList(nn.Linear(hidden_size, key_dim) for _ in range(config.doc_lookahead))
         self.doc_refiner = (
             DocumentRefiner(hidden_size, config.doc_refine_dim, config.doc_refine_layers, key_dim)
             if config.doc_refine_layers else None
@@ -161,15 +180,19 @@ class CPLMPreTrainedModel(PreTrainedModel):
         if isinstance(module, CopyHead):
             std = self.config.backbone_config.initializer_range
             for proj in (module.q_proj, module.k_proj, module.end_q_proj):
-                if proj is not None:
-                    nn.init.normal_(proj.weight, std=std)
-                    nn.init.zeros_(proj.bias)
+                linears = [] if proj is None else [m for m in proj.modules() if isinstance(m, nn.Linear)]
+                for depth, linear in enumerate(linears):  # the input layer at the backbone's scale
+                    nn.init.normal_(linear.weight, std=std if depth == 0 else 1 / math.sqrt(linear.in_features))
+                    nn.init.zeros_(linear.bias)
             nn.init.zeros_(module.sink_key)
             nn.init.zeros_(module.sink_bias)
             if module.paste_embedding is not None:
                 nn.init.zeros_(module.paste_embedding.weight)
             if module.successor is not None:
                 nn.init.zeros_(module.successor)
+            for proj in module.lookahead:  # start as a no-op on the keys
+                nn.init.zeros_(proj.weight)
+                nn.init.zeros_(proj.bias)
             if module.doc_refiner is not None:
                 module.doc_refiner.apply(_reset_torch_defaults)
                 nn.init.zeros_(module.doc_refiner.up.weight)  # starts as a no-op on the keys
@@ -222,11 +245,13 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         return hidden.detach() if self.config.stop_cp_grad else hidden
 
     def encode_hidden(self, input_ids, attention_mask=None, cache=None, use_cache=False, position_ids=None):
+        """-> final hidden states (B, T, H), CP-head input (B, T, C) and the KV cache."""
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=use_cache,
-            position_ids=position_ids,
+            position_ids=position_ids, output_hidden_states=bool(self.config.cp_layers),
         )
-        return out.last_hidden_state, out.cache  # (B, T, H)
+        features = cp_features(out.last_hidden_state, out.hidden_states, self.config.cp_layers)
+        return out.last_hidden_state, features, out.cache
 
     def document_keys(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CopyMemory:
         """Encode documents on their own. input_ids (B, T) = [BOS, t_1 .. t_n] -> a memory of T keys each.
@@ -236,17 +261,21 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        hidden, _ = self.encode_hidden(input_ids, attention_mask)
-        return self.document_keys_from_hidden(hidden, input_ids, attention_mask)
+        _, features, _ = self.encode_hidden(input_ids, attention_mask)
+        return self.document_keys_from_hidden(features, input_ids, attention_mask)
 
-    def document_keys_from_hidden(self, hidden, input_ids, attention_mask) -> CopyMemory:
-        """hidden (B, T, H) of [BOS, t_1 .. t_n] (right padded) -> keys (B, T, D), paste ids (B, T), mask (B, T)."""
+    def document_keys_from_hidden(self, features, input_ids, attention_mask) -> CopyMemory:
+        """CP-head input (B, T, C) of [BOS, t_1 .. t_n] (right padded) -> keys (B, T, D), ids (B, T), mask (B, T)."""
         mask = attention_mask.bool()
         last = (mask.sum(-1) - 1).clamp(min=0).unsqueeze(1)  # (B, 1)
         paste_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
         paste_ids = paste_ids.scatter(1, last, self.config.end_id).masked_fill(~mask, 0)
-        cp_hidden = self._cp_input(hidden)
+        cp_hidden = self._cp_input(features)
         keys = self.cp_head.keys(cp_hidden, paste_ids)  # (B, T, D)
+        ahead = cp_hidden.masked_fill(~mask.unsqueeze(-1), 0.0)
+        for proj in self.cp_head.lookahead:  # the o-th one sees h_{j+o}; zeros past the end
+            ahead = torch.cat([ahead[:, 1:], torch.zeros_like(ahead[:, :1])], dim=1)
+            keys = keys + proj(ahead)
         if self.cp_head.doc_refiner is not None:
             keys = keys + self.cp_head.doc_refiner(cp_hidden, mask)
         return CopyMemory(keys=keys, ids=paste_ids, mask=mask)
@@ -287,20 +316,23 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         use_cache: bool = False,
         return_log_probs: bool = True,
         position_ids: torch.Tensor | None = None,
+        query_positions: torch.Tensor | None = None,
     ) -> CPLMOutput:
         """input_ids (B, T). `targets` (B, T) is the token each position should predict, -100 where ignored.
 
         The copy memory is the external `memory` followed by the causal own context (past + these positions).
+        `query_positions` (B, Q) limits the outputs to those absolute positions (a prefill needs only its last).
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         full_mask = attention_mask if context is None else torch.cat([context.mask.long(), attention_mask], dim=1)
-        hidden, cache = self.encode_hidden(
+        hidden, features, cache = self.encode_hidden(
             input_ids, full_mask, cache=context.cache if context else None, use_cache=use_cache,
             position_ids=position_ids,
         )
         out = self.forward_hidden(hidden, input_ids, attention_mask, memory, context, targets, target_weights,
-                                  prev_source, return_log_probs=return_log_probs)
+                                  prev_source, return_log_probs=return_log_probs, cp_features=features,
+                                  query_positions=query_positions)
         out.context.cache = cache
         return out
 
@@ -317,8 +349,10 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         lm_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
         return_log_probs: bool = True,
         query_positions: torch.Tensor | None = None,
+        cp_features: torch.Tensor | None = None,
     ) -> CPLMOutput:
-        """Everything after the backbone, from its final hidden states (B, T, H).
+        """Everything after the backbone, from its final hidden states (B, T, H) and the CP head's input
+        `cp_features` (B, T, C), which is the final hidden state itself unless `cp_layers` are configured.
 
         `lm_stats` = (logsumexp of the LM logits (B, Q), LM logit of each target (B, Q)) replaces the (B, Q, V)
         LM logits when only the loss is needed: training on cached features never builds the vocabulary matrix.
@@ -326,13 +360,14 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         while every position still contributes its own-context key.
         """
         head = self.cp_head
-        cp_hidden = self._cp_input(hidden)
+        cp_hidden = self._cp_input(hidden if cp_features is None else cp_features)
         own_keys = head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
         ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool(),
                                                            query_positions)
         if query_positions is not None:
-            index = query_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-            hidden, cp_hidden = hidden.gather(1, index), cp_hidden.gather(1, index)  # (B, Q, H)
+            index = (query_positions - (context.length if context is not None else 0)).unsqueeze(-1)
+            hidden = hidden.gather(1, index.expand(-1, -1, hidden.shape[-1]))  # (B, Q, H)
+            cp_hidden = cp_hidden.gather(1, index.expand(-1, -1, cp_hidden.shape[-1]))  # (B, Q, C)
         queries = head.queries(cp_hidden)  # (B, Q, D)
         scores = head.scores(queries, head.with_paste_tokens(ctx_base, ctx_ids))  # (B, T, P+T)
         ids = ctx_ids

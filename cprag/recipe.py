@@ -6,7 +6,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -16,8 +16,66 @@ from cprag.checkpoint import model_fingerprint, new_cplm
 from cprag.features import extract_features, features_key, load_or_extract
 from cprag.qa_eval import evaluate_oracle, summarize
 from cprag.squad import article_split, read_squad
-from cprag.train import STATE_FILE, train_head
+from cprag.train import STATE_FILE, teacher_forced_validation, train_head
 from cprag.train_config import TrainConfig
+
+
+@dataclass
+class Prepared:
+    """A fresh CPLM for `config`, the article split, and the cached features of the training file."""
+
+    model: object
+    tokenizer: object
+    data: object
+    train_articles: set[str]
+    validation_articles: set[str]
+    passages: dict
+    questions: list
+    skipped: dict
+    feature_seconds: float
+
+    def split(self, articles: set[str]) -> list:
+        return [q for q in self.questions if q.passage_id.rsplit("#", 1)[0] in articles]
+
+    @property
+    def question_text(self) -> dict[str, str]:
+        return {e.qid: e.question for e in self.data.examples}
+
+
+def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | None = None,
+            on_progress: Callable[[str, int, int], None] | None = None) -> Prepared:
+    base = base or default_reference()
+    torch.manual_seed(config.seed)
+    model, tokenizer = new_cplm(base, **config.head)
+    data = read_squad(data_path)
+    train_articles, validation_articles = article_split(data, config.validation_fraction, config.seed)
+    tick = time.perf_counter()
+    key = features_key(Path(data_path), base.sha256, model.config.cp_layers)
+    passages, questions, skipped = load_or_extract(
+        cache_root() / "features", key,
+        lambda: extract_features(model, tokenizer, data,
+                                 on_progress=(lambda s, d, t: on_progress(f"features: {s}", d, t)) if on_progress
+                                 else None),
+    )
+    return Prepared(model, tokenizer, data, train_articles, validation_articles, passages, questions, skipped,
+                    time.perf_counter() - tick)
+
+
+def screen_variant(prepared: Prepared, config: TrainConfig) -> dict:
+    """A quick lever screen: train on cached features, then teacher-forced metrics (no decoding) on the held-out
+    articles (`validation/tf/...`) and on 400 training questions (`train/tf/...`, to tell under- from overfitting)."""
+    text = prepared.question_text
+    training = prepared.split(prepared.train_articles)
+    report = train_head(prepared.model, prepared.tokenizer, training, prepared.passages, text, config)
+    held_out = prepared.split(prepared.validation_articles)
+    metrics = {f"validation/{k}": v for k, v in teacher_forced_validation(
+        prepared.model, prepared.tokenizer, held_out, prepared.passages, text, config.distractors, config.seed).items()}
+    seen = random.Random(config.seed).sample(training, min(400, len(training)))
+    metrics.update({f"train/{k}": v for k, v in teacher_forced_validation(
+        prepared.model, prepared.tokenizer, seen, prepared.passages, text, config.distractors, config.seed).items()})
+    metrics.update({"train/steps": report.steps, "train/seconds": round(report.seconds, 1),
+                    "train/final_loss": _tail_mean(report.losses)})
+    return metrics
 
 
 def train_checkpoint(
@@ -30,29 +88,21 @@ def train_checkpoint(
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = base or default_reference()
-    torch.manual_seed(config.seed)
-    model, tokenizer = new_cplm(base, **config.head)
-    data = read_squad(data_path)
-    train_articles, validation_articles = article_split(data, config.validation_fraction, config.seed)
+    prepared = prepare(data_path, config, base, on_progress)
+    model, tokenizer, data = prepared.model, prepared.tokenizer, prepared.data
+    passages, skipped, feature_seconds = prepared.passages, prepared.skipped, prepared.feature_seconds
+    train_articles, validation_articles = prepared.train_articles, prepared.validation_articles
 
     def report(stage):
         return (lambda done, total, *_: on_progress(stage, done, total)) if on_progress else None
 
-    tick = time.perf_counter()
-    key = features_key(Path(data_path), base.sha256)
-    passages, questions, skipped = load_or_extract(
-        cache_root() / "features", key,
-        lambda: extract_features(model, tokenizer, data,
-                                 on_progress=(lambda s, d, t: on_progress(f"features: {s}", d, t)) if on_progress
-                                 else None),
-    )
-    feature_seconds = time.perf_counter() - tick
-    train_questions = [q for q in questions if q.passage_id.rsplit("#", 1)[0] in train_articles]
-    text = {e.qid: e.question for e in data.examples}
-    report_train = train_head(model, tokenizer, train_questions, passages, text, config, out_dir,
+    text = prepared.question_text
+    report_train = train_head(model, tokenizer, prepared.split(train_articles), passages, text, config, out_dir,
                               report("train"))
 
+    held_out = prepared.split(validation_articles)
+    teacher_forced = teacher_forced_validation(model, tokenizer, held_out, passages, text, config.distractors,
+                                               config.seed)
     validation = [e for e in data.examples if e.article in validation_articles]
     random.Random(config.seed).shuffle(validation)
     validation = validation[:validation_questions]
@@ -60,6 +110,7 @@ def train_checkpoint(
     results = evaluate_oracle(model, tokenizer, validation, data.passages, list(validation_modes),
                               distractors=config.distractors, seed=config.seed)
     metrics = summarize(results)
+    metrics.update({f"validation/{k}": v for k, v in teacher_forced.items()})
     metrics.update({
         "train/steps": report_train.steps, "train/examples": report_train.examples,
         "train/seconds": round(report_train.seconds, 1), "train/final_loss": _tail_mean(report_train.losses),

@@ -27,7 +27,8 @@ STATE_FILE = "train_state.pt"
 
 @dataclass
 class Batch:
-    hidden: torch.Tensor  # (B, L, H) question + answer features
+    hidden: torch.Tensor  # (B, L, H) question + answer final hidden states
+    cp: torch.Tensor | None  # (B, L, C) their CP-head input, None when it is `hidden`
     input_ids: torch.Tensor  # (B, L)
     attention_mask: torch.Tensor  # (B, L)
     targets: torch.Tensor  # (B, Q) answer tokens then the end, -100 on padding
@@ -90,6 +91,7 @@ def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]],
         prev[row, 1:n] = torch.arange(start, start + n - 1)
     return Batch(
         hidden=_pad([q.hidden for q in questions]).float(),
+        cp=_pad([q.cp for q in questions]).float() if questions[0].cp is not None else None,
         input_ids=_pad([torch.tensor(prompts[q.qid] + q.targets[:-1].tolist()) for q in questions]),
         attention_mask=_pad([torch.ones(q.hidden.shape[0], dtype=torch.long) for q in questions]),
         targets=targets, weights=weights, prev_source=prev, lm_lse=lse, lm_target=target_logit,
@@ -107,7 +109,7 @@ def batch_loss(model, batch: Batch) -> torch.Tensor:
     out = model.forward_hidden(
         batch.hidden, batch.input_ids, batch.attention_mask, memory=memory, targets=batch.targets,
         target_weights=batch.weights, prev_source=batch.prev_source, lm_stats=(batch.lm_lse, batch.lm_target),
-        return_log_probs=False, query_positions=batch.query_positions,
+        return_log_probs=False, query_positions=batch.query_positions, cp_features=batch.cp,
     )
     return out.loss
 
@@ -136,18 +138,19 @@ def train_head(
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    scalars = [p for p in params if p.numel() <= 2]
+    groups = [{"params": [p for p in params if p.numel() > 2], "lr": config.lr},
+              {"params": scalars, "lr": config.lr * config.scalar_lr_scale, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = max(1, len(questions) // config.batch_size)
     total = int(config.epochs * steps_per_epoch)
     if config.max_steps is not None:
         total = min(total, config.max_steps)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=max(total, 1),
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in groups],
+                                                    total_steps=max(total, 1),
                                                     pct_start=0.1)
     prompts = {q.qid: prompt_ids(tokenizer, question_text[q.qid]) for q in questions}
-    by_article: dict[str, list[str]] = {}
-    for pid in passages:
-        by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
-    pool = {q.passage_id: by_article[q.passage_id.rsplit("#", 1)[0]] for q in questions}
+    pool = _distractor_pool(questions, passages)
     everything = sorted(passages)
     for pid, same_article in pool.items():  # hard distractors first: same article, then any passage
         if len(same_article) <= config.distractors:
@@ -193,6 +196,27 @@ def train_head(
                        resumed_from=resumed_from)
 
 
+def _distractor_pool(questions: list[QuestionFeatures], passages: dict[str, PassageFeatures]) -> dict[str, list[str]]:
+    """For each gold passage, the passages of its article (the hard distractors)."""
+    by_article: dict[str, list[str]] = {}
+    for pid in passages:
+        by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
+    return {q.passage_id: by_article[q.passage_id.rsplit("#", 1)[0]] for q in questions}
+
+
+def teacher_forced_validation(model, tokenizer, questions: list[QuestionFeatures],
+                              passages: dict[str, PassageFeatures], question_text: dict[str, str],
+                              distractors: int, seed: int = 0, batch_size: int = 16) -> dict[str, float]:
+    """`teacher_forced_metrics` over held-out questions, batched like training (same-article distractors)."""
+    rng = random.Random(seed)
+    pool = _distractor_pool(questions, passages)
+    prompts = {q.qid: prompt_ids(tokenizer, question_text[q.qid]) for q in questions}
+    order = _article_grouped_order(questions, rng)
+    batches = [make_batch([questions[i] for i in order[start : start + batch_size]], prompts, passages, pool,
+                          distractors, tokenizer.bos_token_id, rng) for start in range(0, len(order), batch_size)]
+    return teacher_forced_metrics(model, batches)
+
+
 def _article_grouped_order(questions: list[QuestionFeatures], rng: random.Random) -> list[int]:
     """A shuffled epoch in which neighbours share an article, so a batch shares its passages (hard distractors)."""
     by_article: dict[str, list[int]] = {}
@@ -218,3 +242,40 @@ def _save_state(path: Path, model, optimizer, scheduler, rng, step, losses, orde
 
 def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True))
+
+
+@torch.no_grad()
+def teacher_forced_metrics(model, batches: list[Batch]) -> dict[str, float]:
+    """Fast validation without decoding: with the gold answer prefix fed in, is each step's most attended copy
+    entry (or the sink) the right token? `tf/start` is the first answer token, `tf/end` the stop decision,
+    `tf/exact` every step of an answer. Greedy decoding that copies reproduces the answer iff `tf/exact` holds."""
+    model.eval()
+    first = last = exact = tokens = correct = 0
+    for batch in batches:
+        docs = model.document_keys_from_hidden(batch.memory_hidden, batch.memory_ids, batch.memory_mask)
+        memory = CopyMemory(keys=docs.keys.reshape(1, -1, docs.keys.shape[-1]), ids=docs.ids.reshape(1, -1),
+                            mask=batch.question_memory_mask)
+        out = model.forward_hidden(batch.hidden, batch.input_ids, batch.attention_mask, memory=memory,
+                                   prev_source=batch.prev_source, lm_stats=(batch.lm_lse, batch.lm_target),
+                                   return_log_probs=False, query_positions=batch.query_positions,
+                                   cp_features=batch.cp)
+        entries = out.copy_log_attention.argmax(-1)  # (B, Q)
+        external = 2 * memory.size if model.cp_head.end_q_proj is not None else memory.size
+        ids = docs.ids.reshape(-1)
+        if external > memory.size:  # the "end here" twins paste the end token
+            ids = torch.cat([ids, torch.full_like(ids, model.config.end_id)])
+        own = torch.cat([batch.input_ids[:, 1:], torch.zeros_like(batch.input_ids[:, :1])], 1)
+        pasted = torch.where(entries < external, ids[entries.clamp(max=external - 1)],
+                             own.gather(1, (entries - external).clamp(min=0)))
+        copies = out.copy_log_attention.max(-1).values > out.sink_log_attention
+        hit = (pasted == batch.targets) & copies
+        valid = batch.targets != -100
+        lengths = valid.sum(1)
+        first += hit[:, 0].sum().item()
+        last += hit.gather(1, (lengths - 1)[:, None]).sum().item()
+        exact += (hit | ~valid).all(1).sum().item()
+        tokens += valid.sum().item()
+        correct += (hit & valid).sum().item()
+    n = sum(b.targets.shape[0] for b in batches)
+    return {"tf/n": n, "tf/start": round(100 * first / n, 2), "tf/end": round(100 * last / n, 2),
+            "tf/exact": round(100 * exact / n, 2), "tf/token": round(100 * correct / tokens, 2)}

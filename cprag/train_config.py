@@ -12,6 +12,9 @@ class TrainConfig:
     epochs: float = 4.0
     lr: float = 2e-3
     weight_decay: float = 0.01
+    # scalars (successor bias, sink bias, the <copy> bias) must travel several nats, and Adam moves a parameter
+    # by about lr per step: they get lr times this
+    scalar_lr_scale: float = 50.0
     batch_size: int = 16
     distractors: int = 4
     end_weight: float = 3.0
@@ -21,11 +24,12 @@ class TrainConfig:
     max_steps: int | None = None
     head: dict = field(default_factory=lambda: {
         "key_dim": 64, "key_sees_token": False, "doc_refine_layers": 1, "doc_refine_dim": 128,
-        "end_entries": True, "successor_bias": True,
+        "end_entries": True, "successor_bias": True, "cp_layers": [8, 16, 24], "doc_lookahead": 0,
     })
 
     def __post_init__(self):
         checks = [("--epochs", self.epochs, self.epochs > 0), ("--lr", self.lr, self.lr > 0),
+                  ("--scalar-lr-scale", self.scalar_lr_scale, self.scalar_lr_scale > 0),
                   ("--batch-size", self.batch_size, self.batch_size >= 1),
                   ("--distractors", self.distractors, self.distractors >= 0),
                   ("--end-weight", self.end_weight, self.end_weight > 0),

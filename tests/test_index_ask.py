@@ -32,18 +32,23 @@ def write_jsonl(path, docs):
     return path
 
 
-def tiny_checkpoint(directory, seed=0, copy_everything=False):
-    """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token."""
+def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None):
+    """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token, and with a
+    successor bias of the given (continue, end) weights."""
     directory.mkdir(parents=True, exist_ok=True)
     write_tiny_gguf(directory / "base.gguf")
     torch.manual_seed(seed)
     from cprag.backbone import gguf_reference
 
-    model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0)
+    options = dict(successor_bias=True) if successor else {}
+    model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0, **options)
     if copy_everything:
         with torch.no_grad():
             model.copy_gate.bias.fill_(1e4)
             model.cp_head.sink_bias.fill_(-1e4)
+    if successor:
+        with torch.no_grad():
+            model.cp_head.successor.copy_(torch.tensor(successor))
     model.save_pretrained(directory / "ckpt")
     return directory / "ckpt"
 
@@ -256,3 +261,25 @@ def test_python_api_mirrors_the_cli(tmp_path, checkpoint, embedder):
     assert answer.passages[0]["doc_id"] == "bridge" and isinstance(answer.answer, str)
     assert 0.0 <= answer.copy_rate <= 1.0 and answer.timings_ms["total"] > 0
     assert cprag.index_info(tmp_path / "idx")["counts"]["documents"] == 5
+
+
+def test_drafted_copies_give_exactly_the_greedy_answer_in_fewer_passes(tmp_path, embedder):
+    checkpoint = tiny_checkpoint(tmp_path / "model", copy_everything=True, successor=(6.0, 0.0))
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    index = Index(tmp_path / "idx", checkpoint=checkpoint)
+    passes = []
+    forward = index.model.forward
+    index.model.forward = lambda *args, **kwargs: passes.append(1) or forward(*args, **kwargs)
+    counts = {}
+    for question in ["When was the lighthouse built?", "Who designed the bridge?", "Where do geese go?"]:
+        hits = index.retrieve([question], 3)[0]
+        passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
+        for draft in (0, 8):
+            passes.clear()
+            generation = generate(index.model, index.tokenizer, question, passages, max_new_tokens=16,
+                                  draft_tokens=draft, stop_at_end=False)
+            counts.setdefault(question, []).append((generation.token_ids, generation.sources, len(passes)))
+    for (plain, plain_sources, plain_passes), (drafted, drafted_sources, drafted_passes) in counts.values():
+        assert drafted == plain and drafted_sources == plain_sources
+        assert drafted_passes <= plain_passes
+    assert sum(c[1][2] for c in counts.values()) < sum(c[0][2] for c in counts.values())

@@ -247,3 +247,39 @@ def test_query_positions_give_the_same_loss_as_the_full_sequence():
     some = model.forward_hidden(hidden, x, torch.ones_like(x), memory, targets=targets_q, prev_source=previous_q,
                                 lm_stats=stats, query_positions=positions, return_log_probs=False)
     assert torch.allclose(full.loss, some.loss, atol=1e-5)
+
+
+def test_lookahead_keys_see_exactly_the_next_tokens():
+    model = tiny_cplm(doc_lookahead=1)
+    with torch.no_grad():
+        model.cp_head.lookahead[0].weight.normal_()
+    doc = inputs(16, batch=1, length=10)
+    changed = doc.clone()
+    changed[0, 6] = (changed[0, 6] + 1) % VOCAB_SIZE
+    moved = (model.document_keys(doc).keys - model.document_keys(changed).keys)[0].abs().amax(-1) > 1e-6
+    assert moved.tolist() == [False] * 5 + [True] * 5  # key 5 sees h_6 through the lookahead, keys < 5 see nothing
+
+
+def test_middle_layer_features_feed_the_cp_head_and_decode_incrementally():
+    model = tiny_cplm(cp_layers=[1], doc_lookahead=1, end_entries=True, successor_bias=True)
+    assert model.cp_head.q_proj.in_features == 2 * model.config.hidden_size
+    x, memory = inputs(length=10), model.document_keys(inputs(17, length=12))
+    full = model(x, memory=memory)
+    hidden, features, _ = model.encode_hidden(x)
+    assert features.shape[-1] == 2 * hidden.shape[-1]
+    again = model.forward_hidden(hidden, x, torch.ones_like(x), memory, cp_features=features)
+    assert torch.allclose(again.log_probs, full.log_probs, atol=1e-5)
+    first = model(x[:, :6], memory=memory, use_cache=True)
+    second = model(x[:, 6:], memory=memory, context=first.context, use_cache=True)
+    assert torch.allclose(torch.cat([first.log_probs, second.log_probs], 1), full.log_probs, atol=1e-5)
+
+
+def test_a_prefill_that_keeps_only_its_last_position_decodes_the_same():
+    model = tiny_cplm(end_entries=True, successor_bias=True, doc_lookahead=1)
+    x, memory = inputs(length=10), model.document_keys(inputs(18, length=12))
+    full = model(x, memory=memory).log_probs
+    last = torch.full((2, 1), 5)
+    first = model(x[:, :6], memory=memory, use_cache=True, query_positions=last)
+    assert first.log_probs.shape[1] == 1 and torch.allclose(first.log_probs[:, 0], full[:, 5], atol=1e-5)
+    second = model(x[:, 6:], memory=memory, context=first.context, use_cache=True)
+    assert torch.allclose(second.log_probs, full[:, 6:], atol=1e-5)

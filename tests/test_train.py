@@ -42,7 +42,7 @@ def tiny_squad(path, missing_answer=True):
 
 SMOKE = dict(epochs=2, batch_size=4, distractors=2, lr=5e-3, validation_fraction=0.25, save_every=2,
              head={"key_dim": 8, "key_sees_token": True, "doc_refine_layers": 1, "doc_refine_dim": 16,
-                   "end_entries": True, "successor_bias": True})
+                   "end_entries": True, "successor_bias": True, "cp_layers": [1], "doc_lookahead": 1})
 
 
 def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
@@ -52,6 +52,7 @@ def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
                                "base.gguf"), validation_questions=4, validation_modes=("hidden", "closed"))
     assert metrics["train/steps"] == 2 * (6 // 4) and metrics["qa/hidden/n"] == 2
     assert 0 <= metrics["qa/hidden/f1"] <= 100 and "qa/closed/em" in metrics
+    assert 0 <= metrics["validation/tf/start"] <= 100 and 0 <= metrics["validation/tf/exact"] <= 100
     config = json.loads((tmp_path / "ckpt" / "train_config.json").read_text())
     assert config["skipped"] == {"answer not found at its offset": 1}
     assert set(config["train_articles"]).isdisjoint(config["validation_articles"])
@@ -63,7 +64,7 @@ def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
 def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
     from cprag.checkpoint import new_cplm
     from cprag.features import extract_features
-    from cprag.train import train_head
+    from cprag.train import teacher_forced_validation, train_head
 
     write_tiny_gguf(tmp_path / "base.gguf")
     data = read_squad(tiny_squad(tmp_path / "tiny.json"))
@@ -72,8 +73,11 @@ def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
     passages, questions, _ = extract_features(model, tokenizer, data)
     text = {e.qid: e.question for e in data.examples}
     config = TrainConfig(**{**SMOKE, "epochs": 30, "batch_size": 8})
+    before = teacher_forced_validation(model, tokenizer, questions, passages, text, distractors=2)
     report = train_head(model, tokenizer, questions, passages, text, config)
     assert sum(report.losses[-3:]) / 3 < 0.85 * sum(report.losses[:3]) / 3
+    after = teacher_forced_validation(model, tokenizer, questions, passages, text, distractors=2)
+    assert after["tf/token"] > before["tf/token"]  # the questions it trained on, answered better step by step
 
 
 def test_interrupted_training_resumes_from_its_last_saved_step(tmp_path):
