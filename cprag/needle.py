@@ -201,7 +201,8 @@ def write_needle_report(out_dir, summary: dict, results: list[dict], window: int
     modes = sorted({r["mode"] for r in results})
     lengths = sorted({r["length"] for r in results})
     depths = sorted({r["depth"] for r in results})
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 3.8), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 3.8), dpi=120, squeeze=False)
+    beyond = [j for j, n in enumerate(lengths) if n > window]
     lines = [f"# Needle test (backbone window {window} tokens)", ""]
     for ax, mode in zip(axes[0], modes, strict=True):
         grid = np.full((len(depths), len(lengths)), np.nan)
@@ -215,7 +216,11 @@ def write_needle_report(out_dir, summary: dict, results: list[dict], window: int
         ax.set_xticks(range(len(lengths)), [f"{n // 1000}k" if n >= 1000 else str(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
         ax.set_xlabel("haystack tokens")
-        ax.set_ylabel("needle depth")
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth")
+        if beyond:  # to the right of this line the haystack no longer fits the backbone's window
+            ax.axvline(beyond[0] - 0.5, color="black", linestyle="--", linewidth=1)
+            ax.text(beyond[0] - 0.45, -0.45, f"beyond the {window // 1000}k window", fontsize=7, va="top")
         ax.set_title(f"{mode}: accuracy (min {summary[f'needle/{mode}/acc_min']:.2f})", fontsize=10)
         for i in range(len(depths)):
             for j in range(len(lengths)):
