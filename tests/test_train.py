@@ -126,3 +126,17 @@ def test_article_split_never_splits_an_article(tmp_path):
     data = read_squad(tiny_squad(tmp_path / "tiny.json"))
     train, validation = article_split(data, 0.25, seed=0)
     assert len(validation) == 1 and not train & validation and train | validation == {f[0] for f in FACTS}
+
+
+def test_a_lever_screen_reports_teacher_forced_metrics_on_both_splits(tmp_path):
+    from cprag.recipe import prepare, screen_variant
+
+    write_tiny_gguf(tmp_path / "base.gguf")
+    data = tiny_squad(tmp_path / "tiny.json")
+    config = TrainConfig(**{**SMOKE, "max_steps": 2})
+    prepared = prepare(data, config, base=gguf_reference(tmp_path / "base.gguf"))
+    metrics = screen_variant(prepared, config)
+    assert metrics["train/steps"] == 2
+    assert metrics["validation/tf/n"] == len(prepared.split(prepared.validation_articles)) > 0
+    for key in ("validation/tf/start", "validation/tf/exact", "train/tf/start", "train/tf/token"):
+        assert 0 <= metrics[key] <= 100
