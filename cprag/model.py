@@ -272,10 +272,11 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         paste_ids = paste_ids.scatter(1, last, self.config.end_id).masked_fill(~mask, 0)
         cp_hidden = self._cp_input(features)
         keys = self.cp_head.keys(cp_hidden, paste_ids)  # (B, T, D)
-        ahead = cp_hidden.masked_fill(~mask.unsqueeze(-1), 0.0)
-        for proj in self.cp_head.lookahead:  # the o-th one sees h_{j+o}; zeros past the end
-            ahead = torch.cat([ahead[:, 1:], torch.zeros_like(ahead[:, :1])], dim=1)
-            keys = keys + proj(ahead)
+        if self.cp_head.lookahead:
+            ahead = cp_hidden.masked_fill(~mask.unsqueeze(-1), 0.0)
+            for proj in self.cp_head.lookahead:  # the o-th one sees h_{j+o}; zeros past the end
+                ahead = torch.cat([ahead[:, 1:], torch.zeros_like(ahead[:, :1])], dim=1)
+                keys = keys + proj(ahead)
         if self.cp_head.doc_refiner is not None:
             keys = keys + self.cp_head.doc_refiner(cp_hidden, mask)
         return CopyMemory(keys=keys, ids=paste_ids, mask=mask)

@@ -14,7 +14,7 @@ from cprag.cache import DevicePassage
 from cprag.encode import PassageKeys, encode_passages, tokenize_passage
 from cprag.generate import generate
 from cprag.metrics import best_over_references, exact_match, f1, squad_scores
-from cprag.squad import QAExample
+from cprag.squad import QAExample, article_of
 from cprag.store import StoredPassage
 
 
@@ -34,9 +34,9 @@ class QAResult:
 
 def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int, rng: random.Random) -> list[str]:
     """The gold passage and `distractors` others (same article first), in a seeded random order."""
-    article = example.passage_id.rsplit("#", 1)[0]
-    same = [p for p in all_ids if p.rsplit("#", 1)[0] == article and p != example.passage_id]
-    others = [p for p in all_ids if p.rsplit("#", 1)[0] != article]
+    article = article_of(example.passage_id)
+    same = [p for p in all_ids if article_of(p) == article and p != example.passage_id]
+    others = [p for p in all_ids if article_of(p) != article]
     chosen = rng.sample(same, min(distractors, len(same)))
     chosen += rng.sample(others, distractors - len(chosen))
     chosen.insert(rng.randrange(len(chosen) + 1), example.passage_id)

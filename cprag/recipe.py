@@ -15,7 +15,7 @@ from cprag.backbone import BaseReference, cache_root, default_reference
 from cprag.checkpoint import model_fingerprint, new_cplm
 from cprag.features import extract_features, features_key, load_or_extract
 from cprag.qa_eval import evaluate_oracle, summarize
-from cprag.squad import article_split, read_squad
+from cprag.squad import article_of, article_split, read_squad
 from cprag.train import STATE_FILE, teacher_forced_validation, train_head
 from cprag.train_config import TrainConfig
 
@@ -35,7 +35,7 @@ class Prepared:
     feature_seconds: float
 
     def split(self, articles: set[str]) -> list:
-        return [q for q in self.questions if q.passage_id.rsplit("#", 1)[0] in articles]
+        return [q for q in self.questions if article_of(q.passage_id) in articles]
 
     @property
     def question_text(self) -> dict[str, str]:

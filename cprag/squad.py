@@ -66,6 +66,11 @@ def read_squad(path: str | Path) -> SquadData:
     return SquadData(examples=examples, passages=passages, skipped=skipped)
 
 
+def article_of(passage_id: str) -> str:
+    """The article of a SQuAD passage id (TITLE#i)."""
+    return passage_id.rsplit("#", 1)[0]
+
+
 def article_split(data: SquadData, validation_fraction: float = 0.2, seed: int = 0) -> tuple[set[str], set[str]]:
     """(train articles, validation articles): whole articles, ordered by a seeded hash, never split by question."""
     titles = sorted({e.article for e in data.examples})

@@ -20,6 +20,7 @@ import torch
 from cprag.features import PassageFeatures, QuestionFeatures
 from cprag.model import CopyMemory
 from cprag.prompt import prompt_ids
+from cprag.squad import article_of
 from cprag.train_config import TrainConfig
 
 STATE_FILE = "train_state.pt"
@@ -102,16 +103,22 @@ def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]],
     )
 
 
-def batch_loss(model, batch: Batch) -> torch.Tensor:
+def batch_forward(model, batch: Batch, **loss_inputs):
+    """The batch's passages as one shared memory (each question sees its own entries), then the CPLM outputs at
+    the answer positions. Returns (output, memory)."""
     docs = model.document_keys_from_hidden(batch.memory_hidden, batch.memory_ids, batch.memory_mask)
     memory = CopyMemory(keys=docs.keys.reshape(1, -1, docs.keys.shape[-1]), ids=docs.ids.reshape(1, -1),
                         mask=batch.question_memory_mask)
     out = model.forward_hidden(
-        batch.hidden, batch.input_ids, batch.attention_mask, memory=memory, targets=batch.targets,
-        target_weights=batch.weights, prev_source=batch.prev_source, lm_stats=(batch.lm_lse, batch.lm_target),
-        return_log_probs=False, query_positions=batch.query_positions, cp_features=batch.cp,
+        batch.hidden, batch.input_ids, batch.attention_mask, memory=memory, prev_source=batch.prev_source,
+        lm_stats=(batch.lm_lse, batch.lm_target), return_log_probs=False, query_positions=batch.query_positions,
+        cp_features=batch.cp, **loss_inputs,
     )
-    return out.loss
+    return out, memory
+
+
+def batch_loss(model, batch: Batch) -> torch.Tensor:
+    return batch_forward(model, batch, targets=batch.targets, target_weights=batch.weights)[0].loss
 
 
 @dataclass
@@ -200,8 +207,8 @@ def _distractor_pool(questions: list[QuestionFeatures], passages: dict[str, Pass
     """For each gold passage, the passages of its article (the hard distractors)."""
     by_article: dict[str, list[str]] = {}
     for pid in passages:
-        by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
-    return {q.passage_id: by_article[q.passage_id.rsplit("#", 1)[0]] for q in questions}
+        by_article.setdefault(article_of(pid), []).append(pid)
+    return {q.passage_id: by_article[article_of(q.passage_id)] for q in questions}
 
 
 def teacher_forced_validation(model, tokenizer, questions: list[QuestionFeatures],
@@ -221,7 +228,7 @@ def _article_grouped_order(questions: list[QuestionFeatures], rng: random.Random
     """A shuffled epoch in which neighbours share an article, so a batch shares its passages (hard distractors)."""
     by_article: dict[str, list[int]] = {}
     for index, q in enumerate(questions):
-        by_article.setdefault(q.passage_id.rsplit("#", 1)[0], []).append(index)
+        by_article.setdefault(article_of(q.passage_id), []).append(index)
     groups = list(by_article.values())
     rng.shuffle(groups)
     order = []
@@ -252,16 +259,10 @@ def teacher_forced_metrics(model, batches: list[Batch]) -> dict[str, float]:
     model.eval()
     first = last = exact = tokens = correct = 0
     for batch in batches:
-        docs = model.document_keys_from_hidden(batch.memory_hidden, batch.memory_ids, batch.memory_mask)
-        memory = CopyMemory(keys=docs.keys.reshape(1, -1, docs.keys.shape[-1]), ids=docs.ids.reshape(1, -1),
-                            mask=batch.question_memory_mask)
-        out = model.forward_hidden(batch.hidden, batch.input_ids, batch.attention_mask, memory=memory,
-                                   prev_source=batch.prev_source, lm_stats=(batch.lm_lse, batch.lm_target),
-                                   return_log_probs=False, query_positions=batch.query_positions,
-                                   cp_features=batch.cp)
+        out, memory = batch_forward(model, batch)
         entries = out.copy_log_attention.argmax(-1)  # (B, Q)
         external = 2 * memory.size if model.cp_head.end_q_proj is not None else memory.size
-        ids = docs.ids.reshape(-1)
+        ids = memory.ids[0]
         if external > memory.size:  # the "end here" twins paste the end token
             ids = torch.cat([ids, torch.full_like(ids, model.config.end_id)])
         own = torch.cat([batch.input_ids[:, 1:], torch.zeros_like(batch.input_ids[:, :1])], 1)
