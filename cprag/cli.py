@@ -307,6 +307,8 @@ def train_command(
     distractors: int = typer.Option(TRAIN_DEFAULTS.distractors, "--distractors", help="Other passages in memory."),
     end_weight: float = typer.Option(TRAIN_DEFAULTS.end_weight, "--end-weight", help="Loss weight of the end."),
     seed: int = typer.Option(TRAIN_DEFAULTS.seed, "--seed"),
+    form: str = typer.Option(TRAIN_DEFAULTS.form, "--form", help="hidden (passages as keys) or visible "
+                             "(passages in the prompt; the backbone runs every batch, slow on CPU)."),
     validation_questions: int = typer.Option(300, "--validation-questions"),
     modes: str = typer.Option("hidden", "--modes", help="Validation modes: hidden,visible,closed."),
     as_json: bool = JSON_OPTION,
@@ -320,7 +322,7 @@ def train_command(
     from cprag.recipe import train_checkpoint
 
     config = TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, distractors=distractors,
-                         end_weight=end_weight, seed=seed)
+                         end_weight=end_weight, seed=seed, form=form)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=as_json) as progress:
         tasks: dict[str, int] = {}

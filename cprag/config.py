@@ -41,6 +41,24 @@ class CPLMConfig(PreTrainedConfig):
     end_entries: bool = False
     # learned bias toward the entry right after the one just copied from (continue the span, or end it there)
     successor_bias: bool = False
+    # query-time lexical match features of each entry (cprag.lexical), weighted by learned scalars
+    lexical_prior: bool = False
+    lexical_windows: list[int] | None = None  # the overlap features' half-widths, in tokens (default [12])
+    lexical_sentences: bool = False  # also the overlap within each entry's sentence
+    lexical_types: bool = False  # also the answer-type prior: (question type, pasted token type) indicators
+    # a small causal transformer over the question side's CP input (the last `query_refine_window` positions),
+    # added to the queries: the backbone's state at one position is made for the next token, not for asking
+    query_refine_layers: int = 0
+    query_refine_dim: int = 128
+    query_refine_window: int = 128
+    # own-context entries that paste the end-of-turn token (the end of the question, in hidden mode) may be
+    # copied: False leaves the stop decision to the generator and the position-exact "end here" entries
+    own_context_ends: bool = True
+    # how a copied span may end: "anywhere" (any entry that pastes the end token), or "successor": once the
+    # previous token was copied from passage entry j, only the "end here" twin of entry j + 1 (and the generator)
+    # may end it. Own-context ends (the end of the question) and far-away twins know nothing of the span, so they
+    # cut a 7-digit number after a few digits.
+    copied_span_ends: str = "anywhere"
     end_token_id: int | None = None
     base_model: dict | None = None
     trained_backbone_params: list[str] | None = None
@@ -55,8 +73,16 @@ class CPLMConfig(PreTrainedConfig):
         layers = self.backbone_config.num_hidden_layers if self.backbone_config is not None else None
         if self.cp_layers and layers is not None and not all(0 <= i <= layers for i in self.cp_layers):
             raise ConfigError("cp_layers", self.cp_layers, f"each index must be in 0..{layers}")
+        if self.query_refine_layers < 0 or self.query_refine_dim < 8 or self.query_refine_window < 1:
+            raise ConfigError("query_refine_layers/query_refine_dim/query_refine_window",
+                              (self.query_refine_layers, self.query_refine_dim, self.query_refine_window),
+                              "need layers >= 0, a dim of at least 8 and a window of at least 1")
+        if self.lexical_windows is not None and (not self.lexical_windows or min(self.lexical_windows) < 0):
+            raise ConfigError("lexical_windows", self.lexical_windows, "need at least one window, each >= 0")
         if self.head_mlp_dim < 0:
             raise ConfigError("head_mlp_dim", self.head_mlp_dim, "must be >= 0")
+        if self.copied_span_ends not in ("anywhere", "successor"):
+            raise ConfigError("copied_span_ends", self.copied_span_ends, "must be 'anywhere' or 'successor'")
         if self.doc_lookahead < 0:
             raise ConfigError("doc_lookahead", self.doc_lookahead, "must be >= 0")
         if self.base_model is not None:
@@ -82,6 +108,10 @@ class CPLMConfig(PreTrainedConfig):
     def cp_input_size(self) -> int:
         """Width of the CP head's input: the final hidden state plus one per `cp_layers` entry."""
         return self.hidden_size * (1 + len(self.cp_layers or []))
+
+    @property
+    def lexical_window_sizes(self) -> list[int]:
+        return list(self.lexical_windows or [12])
 
     @property
     def vocab_size(self) -> int:

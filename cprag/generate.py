@@ -14,6 +14,15 @@ import torch
 
 from cprag.cache import DevicePassage
 from cprag.errors import QuestionTooLong
+from cprag.lexical import (
+    inside_word,
+    lexical_features,
+    question_type,
+    question_words,
+    sentence_ids,
+    token_type_table,
+    word_ids,
+)
 from cprag.mixture import NEG_INF
 from cprag.model import CopyMemory
 from cprag.prompt import end_of_turn_id, prompt_ids
@@ -68,6 +77,39 @@ class Step:
         return cls(out.log_probs[0, position], out.log_gate[0, position], out.copy_log_attention[0, position])
 
 
+def _best_derivation(step: Step, entry_ids: torch.Tensor, memory: CopyMemory | None) -> tuple[int, int | None]:
+    """The single most probable way to produce the next token: one copy entry (mass g * a_j), or the generator's
+    best token (its share of the mixture). Returns (token, external entry or None).
+
+    The mixture sums the mass of every entry that pastes the same token, which favours tokens that occur often
+    (" the") over the one entry the head is surest of; choosing a derivation keeps to that entry.
+    entry_ids (E + P,): the token each copy entry pastes, in `copy_log_attention` order.
+    """
+    log_copy = step.log_gate + step.copy_log_attention  # (E + P,)
+    copy_mass = torch.zeros_like(step.log_probs).index_add_(0, entry_ids, log_copy.exp())
+    generator = (step.log_probs.exp() - copy_mass).clamp(min=0)  # (V,)
+    entry = int(log_copy.argmax())
+    if float(log_copy[entry].exp()) < float(generator.max()):
+        return int(generator.argmax()), None
+    external = memory.size if memory is not None else 0
+    return int(entry_ids[entry]), entry if entry < external else None
+
+
+def _entry_ids(model, memory: CopyMemory | None, context, width: int) -> torch.Tensor:
+    """(E + P,) the token each entry of a step's copy attention pastes: external entries (then their "end here"
+    twins) followed by the own context, whose entry j pastes token j + 1."""
+    parts = []
+    if memory is not None:
+        parts.append(memory.ids[0])
+        if model.cp_head.end_q_proj is not None:
+            parts.append(torch.full_like(memory.ids[0], model.config.end_id))
+    own = context.ids[0]
+    parts.append(torch.cat([own[1:], own.new_zeros(1)]))
+    ids = torch.cat(parts)[:width]
+    # positions a rewind dropped are later than the step, so masked: any id will do
+    return torch.cat([ids, ids.new_zeros(width - ids.shape[0])])
+
+
 def _copied_source(step: Step, token: int, memory: CopyMemory | None) -> int | None:
     """The memory entry a token was copied from, when the copy path gave it more mass than the generator."""
     if memory is None:
@@ -95,13 +137,22 @@ def generate(
     max_new_tokens: int = 32,
     stop_at_end: bool = True,
     draft_tokens: int = 8,
+    choose: str = "token",
+    whole_words: bool = True,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
+
+    `choose="entry"` takes the most probable single derivation at each step (one copy entry, or the generator);
+    `choose="token"` takes the most probable token of the mixture, then credits the entry that gave it most.
+    `whole_words` keeps the "end here" entries from ending a copied span inside a word (between two tokens with
+    letters or digits on both sides and no space), which the training answers never do.
 
     A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
     and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
     the same token from the same entry, so the answer is exactly the plain greedy one, in fewer passes.
     """
+    if choose not in ("entry", "token"):
+        raise ValueError(f"choose must be 'entry' or 'token', not {choose!r}")
     window = model.config.max_position_embeddings
     if mode == "visible":
         prompt = _visible_prompt(tokenizer, question, passages, window - max_new_tokens)
@@ -111,6 +162,15 @@ def generate(
         raise QuestionTooLong(len(prompt) + max_new_tokens, window)
     memory, owner, position = shared_memory(passages) if mode == "hidden" else (None, None, None)
     device = next(model.parameters()).device
+    if memory is not None and whole_words:
+        memory.end_allowed = ~inside_word(tokenizer, memory.ids[0]).unsqueeze(0).to(device)
+    if memory is not None and model.config.lexical_prior:
+        ids = memory.ids[0].tolist()
+        sentences = sentence_ids(tokenizer, ids) if model.config.lexical_sentences else None
+        types = token_type_table(tokenizer)[memory.ids[0].cpu()] if model.config.lexical_types else None
+        memory.prior = lexical_features(question_words(tokenizer, question), word_ids(tokenizer, ids),
+                                        model.config.lexical_window_sizes, sentences, question_type(question),
+                                        types).unsqueeze(0).to(device)
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
     last = torch.tensor([[len(prompt) - 1]], device=device)  # only the last prompt position predicts
@@ -119,15 +179,21 @@ def generate(
     tokens: list[int] = []
     sources: list[tuple[int, int] | None] = []
 
+    def pick(step: Step, context, offset: int = 0) -> tuple[int, int | None]:
+        """The next (token, external entry) at a step whose context ends `offset` positions before its last."""
+        if choose == "token":
+            token = int(step.log_probs.argmax())
+            return token, _copied_source(step, token, memory)
+        return _best_derivation(step, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]), memory)
+
     def emit(token: int, entry: int | None) -> None:
         tokens.append(token)
         sources.append(None if entry is None else (int(owner[entry]), int(position[entry])))
 
     while len(tokens) < max_new_tokens:
-        token = int(step.log_probs.argmax())
+        token, entry = pick(step, context)
         if token in stop:
             break
-        entry = _copied_source(step, token, memory)
         emit(token, entry)
         if len(tokens) == max_new_tokens:
             break
@@ -139,9 +205,8 @@ def generate(
         kept = 0
         for drafted in draft:
             step = Step.at(out, kept)
-            guess = int(step.log_probs.argmax())
-            if guess != int(memory.ids[0, drafted]) or guess in stop or \
-                    _copied_source(step, guess, memory) != drafted:
+            guess, source = pick(step, out.context)
+            if guess != int(memory.ids[0, drafted]) or guess in stop or source != drafted:
                 break
             emit(guess, drafted)
             kept += 1
@@ -167,6 +232,8 @@ def _rewind(context, drop: int):
     if drop <= 0:
         return context
     context.keys, context.ids, context.mask = (t[:, :-drop] for t in (context.keys, context.ids, context.mask))
+    if context.refine is not None:
+        context.refine = context.refine[:, :-drop]
     context.cache.crop(-drop)
     return context
 

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrained
 from transformers.utils import ModelOutput
 
 from cprag.config import CPLMConfig
+from cprag.lexical import feature_count
 from cprag.mixture import (
     copy_log_probs,
     gate_log_probs,
@@ -31,6 +32,8 @@ class CopyMemory:
     keys: torch.Tensor  # (B|1, M, D)
     ids: torch.Tensor  # (B|1, M) int64
     mask: torch.Tensor | None = None  # (B|1, M) bool, True where an entry may be attended
+    prior: torch.Tensor | None = None  # (B|1, M, F) query-time lexical features (cprag.lexical)
+    end_allowed: torch.Tensor | None = None  # (B|1, M) bool: whether entry m's "end here" twin may be chosen
 
     @property
     def size(self) -> int:
@@ -45,6 +48,7 @@ class ContextState:
     ids: torch.Tensor  # (B, P) the tokens at those positions
     mask: torch.Tensor  # (B, P) bool, False on padding
     cache: object | None = None  # transformers Cache
+    refine: torch.Tensor | None = None  # (B, P, R) the query refiner's input at past positions
 
     @property
     def length(self) -> int:
@@ -92,6 +96,34 @@ class DocumentRefiner(nn.Module):
         return self.up(self.layers(self.down(hidden), src_key_padding_mask=~mask))
 
 
+class QueryRefiner(nn.Module):
+    """Causal layers over the question side's CP input within a sliding window, adding to each query what the
+    question said before it (the backbone's state at a position is shaped for predicting the next token)."""
+
+    def __init__(self, hidden_size: int, dim: int, layers: int, key_dim: int, outputs: int, window: int):
+        super().__init__()
+        self.window = window
+        self.down = nn.Linear(hidden_size, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=max(1, dim // 32), dim_feedforward=2 * dim, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.layers = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.up = nn.ModuleList(nn.Linear(dim, key_dim) for _ in range(outputs))  # queries, then end queries
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """inputs (B, S, R) = `down` of every position so far (right padded), positions (B, Q) -> (B, Q, R).
+
+        Only the window before the earliest query is run; padding sits after every real position, so the causal
+        mask alone keeps it out.
+        """
+        low = max(0, int(positions.min()) - self.window + 1)
+        inputs = inputs[:, low:]
+        index = torch.arange(low, low + inputs.shape[1], device=inputs.device)
+        distance = index.unsqueeze(1) - index.unsqueeze(0)  # (S, S) query minus key position
+        blocked = (distance < 0) | (distance >= self.window)
+        out = self.layers(inputs, mask=blocked)  # (B, S, R)
+        return out.gather(1, (positions - low).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+
+
 def projection(inputs: int, outputs: int, mlp_dim: int) -> nn.Module:
     """A linear map, or a one-hidden-layer GELU MLP when `mlp_dim` > 0."""
     if not mlp_dim:
@@ -117,14 +149,28 @@ class CopyHead(nn.Module):
         self.paste_embedding = nn.Embedding(config.vocab_size, key_dim) if config.key_sees_token else None
         self.end_q_proj = projection(hidden_size, key_dim, config.head_mlp_dim) if config.end_entries else None
         self.successor = nn.Parameter(torch.zeros(2)) if config.successor_bias else None  # (continue, end)
+        # weights of the lexical features (cprag.lexical) for copy entries and for their "end here" twins
+        features = feature_count(config.lexical_window_sizes, config.lexical_sentences, config.lexical_types)
+        self.lexical = nn.Parameter(torch.zeros(features)) if config.lexical_prior else None
+        self.lexical_end = nn.Parameter(torch.zeros(features)) if config.lexical_prior and config.end_entries else None
+        self.query_refiner = (
+            QueryRefiner(hidden_size, config.query_refine_dim, config.query_refine_layers, key_dim,
+                         2 if config.end_entries else 1, config.query_refine_window)
+            if config.query_refine_layers else None
+        )
         self.lookahead = nn.ModuleList(nn.Linear(hidden_size, key_dim) for _ in range(config.doc_lookahead))
         self.doc_refiner = (
             DocumentRefiner(hidden_size, config.doc_refine_dim, config.doc_refine_layers, key_dim)
             if config.doc_refine_layers else None
         )
 
-    def queries(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.q_proj(hidden)  # (..., D)
+    def queries(self, hidden: torch.Tensor, refined: torch.Tensor | None = None) -> torch.Tensor:
+        queries = self.q_proj(hidden)  # (..., D)
+        return queries if refined is None else queries + self.query_refiner.up[0](refined)
+
+    def end_queries(self, hidden: torch.Tensor, refined: torch.Tensor | None = None) -> torch.Tensor:
+        queries = self.end_q_proj(hidden)  # (..., D)
+        return queries if refined is None else queries + self.query_refiner.up[1](refined)
 
     def keys(self, hidden: torch.Tensor, paste_ids: torch.Tensor) -> torch.Tensor:
         return self.with_paste_tokens(self.k_proj(hidden), paste_ids)  # (..., D)
@@ -193,6 +239,14 @@ class CPLMPreTrainedModel(PreTrainedModel):
             for proj in module.lookahead:  # start as a no-op on the keys
                 nn.init.zeros_(proj.weight)
                 nn.init.zeros_(proj.bias)
+            for weights in (module.lexical, module.lexical_end):
+                if weights is not None:
+                    nn.init.zeros_(weights)
+            if module.query_refiner is not None:
+                module.query_refiner.apply(_reset_torch_defaults)
+                for up in module.query_refiner.up:  # starts as a no-op on the queries
+                    nn.init.zeros_(up.weight)
+                    nn.init.zeros_(up.bias)
             if module.doc_refiner is not None:
                 module.doc_refiner.apply(_reset_torch_defaults)
                 nn.init.zeros_(module.doc_refiner.up.weight)  # starts as a no-op on the keys
@@ -281,29 +335,43 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             keys = keys + self.cp_head.doc_refiner(cp_hidden, mask)
         return CopyMemory(keys=keys, ids=paste_ids, mask=mask)
 
-    def external_scores(self, cp_hidden, memory: CopyMemory, prev_source: torch.Tensor | None):
-        """Scores of the external entries, then of their "end here" twins when enabled, with the successor bias.
+    def external_scores(self, queries, end_queries, memory: CopyMemory, prev_source: torch.Tensor | None):
+        """Scores of the external entries, then of their "end here" twins when enabled, with the successor bias
+        and the lexical prior.
 
-        cp_hidden (B, T, H); prev_source (B, T): the external entry the previous token was copied from, or -1.
+        queries, end_queries (B, T, D) (end_queries None without end entries); prev_source (B, T): the external
+        entry the previous token was copied from, or -1.
         Returns scores (B, T, E), paste ids (B, E), allowed (B, T, E) with E = M, or 2M (continue, then end).
         """
-        batch, steps = cp_hidden.shape[:2]
+        batch, steps = queries.shape[:2]
         keys = memory.keys.expand(batch, -1, -1)
         ids = memory.ids.expand(batch, -1)
         mask = memory.mask if memory.mask is not None else torch.ones_like(memory.ids, dtype=torch.bool)
         mask = mask.expand(batch, -1).unsqueeze(1).expand(-1, steps, -1)
         head = self.cp_head
-        parts, part_ids = [head.scores(head.queries(cp_hidden), keys)], [ids]
-        if head.end_q_proj is not None:
-            parts.append(head.scores(head.end_q_proj(cp_hidden), keys))
+        parts, part_ids = [head.scores(queries, keys)], [ids]
+        if end_queries is not None:
+            parts.append(head.scores(end_queries, keys))
             part_ids.append(torch.full_like(ids, self.config.end_id))
+        if head.lexical is not None and memory.prior is not None:
+            prior = memory.prior.to(parts[0].dtype)  # (B|1, M, F)
+            weights = [head.lexical, head.lexical_end][: len(parts)]
+            parts = [part + (prior @ weight).unsqueeze(1) for part, weight in zip(parts, weights, strict=True)]
         if head.successor is not None and prev_source is not None:
             successor = prev_source + 1
             valid = (prev_source >= 0) & (successor < memory.size)
             bump = nn.functional.one_hot(successor.clamp(0, memory.size - 1), memory.size).to(parts[0].dtype)
             bump = bump * valid.unsqueeze(-1)  # (B, T, M)
             parts = [part + weight * bump for part, weight in zip(parts, head.successor, strict=False)]
-        return torch.cat(parts, -1), torch.cat(part_ids, -1), torch.cat([mask] * len(parts), -1)
+        allowed = [mask] * len(parts)
+        if len(parts) == 2 and memory.end_allowed is not None:
+            allowed[1] = mask & memory.end_allowed.expand(batch, -1).unsqueeze(1)
+        if len(parts) == 2 and self.config.copied_span_ends == "successor" and prev_source is not None:
+            # while copying, only the twin right after the last copied entry may end the span
+            only = nn.functional.one_hot((prev_source + 1).clamp(0, memory.size - 1), memory.size).bool()
+            copying = ((prev_source >= 0) & (prev_source + 1 < memory.size)).unsqueeze(-1)  # (B, T, 1)
+            allowed[1] = allowed[1] & (only | ~copying)
+        return torch.cat(parts, -1), torch.cat(part_ids, -1), torch.cat(allowed, -1)
 
     def forward(
         self,
@@ -365,15 +433,28 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         own_keys = head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
         ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool(),
                                                            query_positions)
+        if not self.config.own_context_ends:
+            allowed = allowed & (ctx_ids != self.config.end_id).unsqueeze(1)
+        if self.config.copied_span_ends == "successor" and prev_source is not None:
+            copying = (prev_source >= 0).unsqueeze(-1)  # (B, Q, 1)
+            allowed = allowed & ~(copying & (ctx_ids == self.config.end_id).unsqueeze(1))
+        refined = None
+        if head.query_refiner is not None:
+            down = head.query_refiner.down(cp_hidden)  # (B, T, R)
+            state.refine = down if context is None or context.refine is None else torch.cat([context.refine, down], 1)
+            absolute = query_positions if query_positions is not None else \
+                torch.arange(state.length - down.shape[1], state.length, device=down.device).unsqueeze(0)
+            refined = head.query_refiner(state.refine, absolute.expand(down.shape[0], -1))  # (B, Q, R)
         if query_positions is not None:
             index = (query_positions - (context.length if context is not None else 0)).unsqueeze(-1)
             hidden = hidden.gather(1, index.expand(-1, -1, hidden.shape[-1]))  # (B, Q, H)
             cp_hidden = cp_hidden.gather(1, index.expand(-1, -1, cp_hidden.shape[-1]))  # (B, Q, C)
-        queries = head.queries(cp_hidden)  # (B, Q, D)
+        queries = head.queries(cp_hidden, refined)  # (B, Q, D)
         scores = head.scores(queries, head.with_paste_tokens(ctx_base, ctx_ids))  # (B, T, P+T)
         ids = ctx_ids
         if memory is not None:
-            ext_scores, ext_ids, ext_allowed = self.external_scores(cp_hidden, memory, prev_source)
+            end_queries = head.end_queries(cp_hidden, refined) if head.end_q_proj is not None else None
+            ext_scores, ext_ids, ext_allowed = self.external_scores(queries, end_queries, memory, prev_source)
             scores = torch.cat([ext_scores, scores], dim=-1)
             ids = torch.cat([ext_ids, ids], dim=-1)
             allowed = torch.cat([ext_allowed, allowed], dim=-1)  # (B, T, E+P+T)

@@ -69,7 +69,7 @@ class OracleMemory:
 def evaluate_oracle(
     model, tokenizer, examples: list[QAExample], passages: dict[str, tuple[str, str]], modes: list[str],
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
-    on_result: Callable[[QAResult], None] | None = None,
+    on_result: Callable[[QAResult], None] | None = None, choose: str = "token",
 ) -> list[QAResult]:
     memory = OracleMemory(model, tokenizer, passages)
     all_ids = sorted(passages)
@@ -81,7 +81,7 @@ def evaluate_oracle(
         for mode in modes:
             tick = time.perf_counter()
             generation = generate(model, tokenizer, example.question, shards if mode != "closed" else [], mode,
-                                  max_new_tokens)
+                                  max_new_tokens, choose=choose)
             result = QAResult(
                 qid=example.qid, mode=mode, question=example.question, prediction=generation.answer,
                 references=example.answers,

@@ -18,12 +18,24 @@ from pathlib import Path
 import torch
 
 from cprag.features import PassageFeatures, QuestionFeatures
+from cprag.lexical import (
+    TOKEN_TYPES,
+    lexical_features,
+    question_type,
+    question_words,
+    sentence_ids,
+    token_type_table,
+    word_ids,
+)
 from cprag.model import CopyMemory
 from cprag.prompt import prompt_ids
 from cprag.squad import article_of
 from cprag.train_config import TrainConfig
 
 STATE_FILE = "train_state.pt"
+# biases and feature weights that must travel several nats; Adam moves a parameter by about lr per step
+SCALAR_PARAMETERS = ("cp_head.successor", "cp_head.sink_bias", "copy_gate.bias", "cp_head.lexical",
+                     "cp_head.lexical_end")
 
 
 @dataclass
@@ -42,6 +54,7 @@ class Batch:
     memory_ids: torch.Tensor  # (N, Tp)
     memory_mask: torch.Tensor  # (N, Tp) bool, False on padding
     question_memory_mask: torch.Tensor  # (B, N * Tp) the entries each question may attend
+    prior: torch.Tensor | None = None  # (B, N * Tp, F) lexical features of the entries for each question
 
 
 def _pad(tensors: list[torch.Tensor], value=0) -> torch.Tensor:
@@ -54,11 +67,12 @@ def _pad(tensors: list[torch.Tensor], value=0) -> torch.Tensor:
 
 def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]], passages: dict[str, PassageFeatures],
                distractor_pool: dict[str, list[str]], distractors: int, bos_id: int, rng: random.Random,
-               end_weight: float = 1.0) -> Batch:
+               end_weight: float = 1.0, lexicon: Lexicon | None = None) -> Batch:
     """Collate questions over one shared set of passages: their gold passages plus same-article extras.
 
     Each question's memory is its gold passage and `distractors` others from that set (a per-question mask), so
     keys are computed once per distinct passage in the batch rather than once per (question, passage) pair.
+    With a `lexicon`, each question also gets the lexical features of every entry (cprag.lexical).
     """
     golds = list(dict.fromkeys(q.passage_id for q in questions))
     extras = [p for q in questions for p in distractor_pool[q.passage_id] if p not in golds]
@@ -90,6 +104,24 @@ def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]],
         target_logit[row, :n] = q.lm_target
         start = slot[q.passage_id] * width + q.span[0]  # entry j of a passage pastes its token j
         prev[row, 1:n] = torch.arange(start, start + n - 1)
+    prior = None
+    if lexicon is not None:  # entry j of a passage pastes token j + 1; its last entry pastes the end (no word)
+        words = torch.full((len(memory), width), -1, dtype=torch.long)
+        kinds = torch.full((len(memory), width), TOKEN_TYPES.index("other"), dtype=torch.long)
+        # a passage's sentences are numbered within its row; the end entry and padding form one more sentence
+        sentences = torch.arange(len(memory)).unsqueeze(1) * width + width - 1
+        sentences = sentences.expand(-1, width).clone()
+        for index, pid in enumerate(memory):
+            words[index, : len(passages[pid].ids)] = lexicon.passages[pid]
+            if lexicon.token_types is not None:
+                kinds[index, : len(passages[pid].ids)] = lexicon.token_types[passages[pid].ids]
+            if lexicon.sentences is not None:
+                sentences[index, : len(passages[pid].ids)] = lexicon.sentences[pid] + index * width
+        words, sentences = words.reshape(-1), sentences.reshape(-1) if lexicon.sentences is not None else None
+        kinds = kinds.reshape(-1) if lexicon.token_types is not None else None
+        prior = torch.stack([lexical_features(lexicon.questions[q.qid], words, lexicon.windows, sentences,
+                                              lexicon.kinds[q.qid] if lexicon.kinds else None, kinds)
+                             for q in questions])
     return Batch(
         hidden=_pad([q.hidden for q in questions]).float(),
         cp=_pad([q.cp for q in questions]).float() if questions[0].cp is not None else None,
@@ -99,7 +131,7 @@ def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]],
         query_positions=query_positions,
         memory_hidden=_pad([passages[p].hidden for p in memory]).float(),
         memory_ids=_pad([torch.cat([torch.tensor([bos_id]), passages[p].ids]) for p in memory]),
-        memory_mask=passage_mask, question_memory_mask=visible.reshape(b, -1),
+        memory_mask=passage_mask, question_memory_mask=visible.reshape(b, -1), prior=prior,
     )
 
 
@@ -108,7 +140,7 @@ def batch_forward(model, batch: Batch, **loss_inputs):
     the answer positions. Returns (output, memory)."""
     docs = model.document_keys_from_hidden(batch.memory_hidden, batch.memory_ids, batch.memory_mask)
     memory = CopyMemory(keys=docs.keys.reshape(1, -1, docs.keys.shape[-1]), ids=docs.ids.reshape(1, -1),
-                        mask=batch.question_memory_mask)
+                        mask=batch.question_memory_mask, prior=batch.prior)
     out = model.forward_hidden(
         batch.hidden, batch.input_ids, batch.attention_mask, memory=memory, prev_source=batch.prev_source,
         lm_stats=(batch.lm_lse, batch.lm_target), return_log_probs=False, query_positions=batch.query_positions,
@@ -119,6 +151,82 @@ def batch_forward(model, batch: Batch, **loss_inputs):
 
 def batch_loss(model, batch: Batch) -> torch.Tensor:
     return batch_forward(model, batch, targets=batch.targets, target_weights=batch.weights)[0].loss
+
+
+@dataclass
+class VisibleBatch:
+    """The visible training form: passages in the prompt, answers copied from the model's own context."""
+
+    input_ids: torch.Tensor  # (B, L) prompt with the gold passage and distractors, then the answer tokens
+    attention_mask: torch.Tensor  # (B, L)
+    targets: torch.Tensor  # (B, Q) answer tokens then the end, -100 on padding
+    weights: torch.Tensor  # (B, Q)
+    query_positions: torch.Tensor  # (B, Q)
+
+
+def make_visible_batch(questions: list[QuestionFeatures], question_text: dict[str, str],
+                       passages: dict[str, PassageFeatures], distractor_pool: dict[str, list[str]], distractors: int,
+                       tokenizer, rng: random.Random, end_weight: float = 1.0) -> VisibleBatch:
+    """Each question's prompt holds its gold passage and `distractors` same-article passages, in random order."""
+    sequences, width_q = [], max(len(q.targets) for q in questions)
+    targets = torch.full((len(questions), width_q), -100, dtype=torch.long)
+    weights = torch.zeros((len(questions), width_q))
+    query_positions = torch.zeros((len(questions), width_q), dtype=torch.long)
+    for row, q in enumerate(questions):
+        others = [p for p in distractor_pool[q.passage_id] if p != q.passage_id]
+        chosen = rng.sample(others, min(distractors, len(others)))
+        chosen.insert(rng.randrange(len(chosen) + 1), q.passage_id)
+        prompt = prompt_ids(tokenizer, question_text[q.qid], [tokenizer.decode(passages[p].ids) for p in chosen])
+        sequences.append(torch.tensor(prompt + q.targets[:-1].tolist()))
+        n = len(q.targets)
+        query_positions[row, :n] = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
+        query_positions[row, n:] = len(prompt) - 1
+        targets[row, :n] = q.targets
+        weights[row, :n] = 1.0
+        weights[row, n - 1] = end_weight
+    return VisibleBatch(input_ids=_pad(sequences), attention_mask=_pad([torch.ones(len(s), dtype=torch.long)
+                                                                       for s in sequences]),
+                        targets=targets, weights=weights, query_positions=query_positions)
+
+
+def visible_batch_loss(model, batch: VisibleBatch) -> torch.Tensor:
+    """The frozen backbone reads each prompt (no gradient), then the mixture NLL at the answer positions."""
+    with torch.no_grad():
+        hidden, features, _ = model.encode_hidden(batch.input_ids, batch.attention_mask)
+        at = batch.query_positions.unsqueeze(-1)
+        logits = model.lm_logits(hidden.gather(1, at.expand(-1, -1, hidden.shape[-1])))  # (B, Q, V)
+        stats = (torch.logsumexp(logits, -1), logits.gather(-1, batch.targets.clamp(min=0).unsqueeze(-1))[..., 0])
+    return model.forward_hidden(
+        hidden, batch.input_ids, batch.attention_mask, targets=batch.targets, target_weights=batch.weights,
+        lm_stats=stats, return_log_probs=False, query_positions=batch.query_positions, cp_features=features,
+    ).loss
+
+
+@dataclass
+class Lexicon:
+    """The tokenizer's word table and each question's content words, for the lexical features."""
+
+    passages: dict[str, torch.Tensor]  # passage id -> word id of each passage token (-1 for none)
+    questions: dict[str, torch.Tensor]  # qid -> distinct word ids
+    windows: list[int]  # the overlap features' half-widths
+    sentences: dict[str, torch.Tensor] | None  # passage id -> sentence number of each token, when used
+    kinds: dict[str, int] | None = None  # qid -> question type, for the answer-type prior
+    token_types: torch.Tensor | None = None  # (V,) token type of every token id
+
+    @classmethod
+    def build(cls, model, tokenizer, question_text: dict[str, str], qids,
+              passages: dict[str, PassageFeatures]) -> Lexicon | None:
+        """None when the model has no lexical prior."""
+        if not model.config.lexical_prior:
+            return None
+        sentences = {pid: sentence_ids(tokenizer, p.ids.tolist()) for pid, p in passages.items()} \
+            if model.config.lexical_sentences else None
+        types = model.config.lexical_types
+        return cls({pid: word_ids(tokenizer, p.ids.tolist()) for pid, p in passages.items()},
+                   {qid: question_words(tokenizer, question_text[qid]) for qid in qids},
+                   model.config.lexical_window_sizes, sentences,
+                   {qid: question_type(question_text[qid]) for qid in qids} if types else None,
+                   token_type_table(tokenizer) if types else None)
 
 
 @dataclass
@@ -145,9 +253,10 @@ def train_head(
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
     params = trainable_parameters(model)
-    scalars = [p for p in params if p.numel() <= 2]
-    groups = [{"params": [p for p in params if p.numel() > 2], "lr": config.lr},
-              {"params": scalars, "lr": config.lr * config.scalar_lr_scale, "weight_decay": 0.0}]
+    scalar_ids = {id(p) for name, p in model.named_parameters() if name in SCALAR_PARAMETERS}
+    groups = [{"params": [p for p in params if id(p) not in scalar_ids], "lr": config.lr},
+              {"params": [p for p in params if id(p) in scalar_ids], "lr": config.lr * config.scalar_lr_scale,
+               "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = max(1, len(questions) // config.batch_size)
     total = int(config.epochs * steps_per_epoch)
@@ -157,6 +266,7 @@ def train_head(
                                                     total_steps=max(total, 1),
                                                     pct_start=0.1)
     prompts = {q.qid: prompt_ids(tokenizer, question_text[q.qid]) for q in questions}
+    lexicon = Lexicon.build(model, tokenizer, question_text, prompts, passages)
     pool = _distractor_pool(questions, passages)
     everything = sorted(passages)
     for pid, same_article in pool.items():  # hard distractors first: same article, then any passage
@@ -184,9 +294,12 @@ def train_head(
             order = _article_grouped_order(questions, rng)
         chosen = [questions[i] for i in order[: config.batch_size]]
         order = order[config.batch_size :]
-        batch = make_batch(chosen, prompts, passages, pool, config.distractors, tokenizer.bos_token_id, rng,
-                           config.end_weight)
-        loss = batch_loss(model, batch)
+        if config.form == "visible":
+            loss = visible_batch_loss(model, make_visible_batch(chosen, question_text, passages, pool,
+                                                                config.distractors, tokenizer, rng, config.end_weight))
+        else:
+            loss = batch_loss(model, make_batch(chosen, prompts, passages, pool, config.distractors,
+                                                tokenizer.bos_token_id, rng, config.end_weight, lexicon))
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -218,9 +331,11 @@ def teacher_forced_validation(model, tokenizer, questions: list[QuestionFeatures
     rng = random.Random(seed)
     pool = _distractor_pool(questions, passages)
     prompts = {q.qid: prompt_ids(tokenizer, question_text[q.qid]) for q in questions}
+    lexicon = Lexicon.build(model, tokenizer, question_text, prompts, passages)
     order = _article_grouped_order(questions, rng)
     batches = [make_batch([questions[i] for i in order[start : start + batch_size]], prompts, passages, pool,
-                          distractors, tokenizer.bos_token_id, rng) for start in range(0, len(order), batch_size)]
+                          distractors, tokenizer.bos_token_id, rng, lexicon=lexicon)
+               for start in range(0, len(order), batch_size)]
     return teacher_forced_metrics(model, batches)
 
 

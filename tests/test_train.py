@@ -80,6 +80,34 @@ def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
     assert after["tf/token"] > before["tf/token"]  # the questions it trained on, answered better step by step
 
 
+def test_the_visible_form_trains_the_head_to_copy_from_the_prompt(tmp_path):
+    from cprag.checkpoint import new_cplm
+    from cprag.features import extract_features
+    from cprag.generate import generate
+    from cprag.train import train_head
+
+    write_tiny_gguf(tmp_path / "base.gguf")
+    data = read_squad(tiny_squad(tmp_path / "tiny.json"))
+    torch.manual_seed(0)
+    model, tokenizer = new_cplm(gguf_reference(tmp_path / "base.gguf"), **SMOKE["head"])
+    passages, questions, _ = extract_features(model, tokenizer, data)
+    text = {e.qid: e.question for e in data.examples}
+    before = {n: p.detach().clone() for n, p in model.cp_head.named_parameters()}
+    config = TrainConfig(**{**SMOKE, "epochs": 20, "batch_size": 4, "distractors": 1, "form": "visible"})
+    report = train_head(model, tokenizer, questions, passages, text, config)
+    assert sum(report.losses[-3:]) / 3 < 0.85 * sum(report.losses[:3]) / 3
+    assert not torch.equal(before["q_proj.weight"], model.cp_head.q_proj.weight)
+    assert all(not n.startswith("backbone.") for n, p in model.named_parameters() if p.requires_grad)
+    example = data.examples[0]
+    from cprag.qa_eval import OracleMemory
+
+    answer = generate(model, tokenizer, example.question, OracleMemory(model, tokenizer, data.passages).get(
+        [example.passage_id]), "visible", max_new_tokens=4)
+    assert answer.token_ids  # the visible path decodes with the trained head
+    with pytest.raises(ConfigError, match="--form"):
+        TrainConfig(form="sideways")
+
+
 def test_interrupted_training_resumes_from_its_last_saved_step(tmp_path):
     from cprag.checkpoint import new_cplm
     from cprag.features import extract_features
@@ -133,10 +161,13 @@ def test_a_lever_screen_reports_teacher_forced_metrics_on_both_splits(tmp_path):
 
     write_tiny_gguf(tmp_path / "base.gguf")
     data = tiny_squad(tmp_path / "tiny.json")
-    config = TrainConfig(**{**SMOKE, "max_steps": 2})
+    head = {**SMOKE["head"], "lexical_prior": True, "query_refine_layers": 1, "query_refine_dim": 16}
+    config = TrainConfig(**{**SMOKE, "max_steps": 2, "head": head})
     prepared = prepare(data, config, base=gguf_reference(tmp_path / "base.gguf"))
     metrics = screen_variant(prepared, config)
     assert metrics["train/steps"] == 2
     assert metrics["validation/tf/n"] == len(prepared.split(prepared.validation_articles)) > 0
     for key in ("validation/tf/start", "validation/tf/exact", "train/tf/start", "train/tf/token"):
         assert 0 <= metrics[key] <= 100
+    head = prepared.model.cp_head  # the lexical weights and the query refiner were trained
+    assert head.lexical.abs().sum() > 0 and head.query_refiner.up[0].weight.abs().sum() > 0

@@ -1,0 +1,97 @@
+"""Lexical match features: word grouping over byte-level tokens, and the overlap / in-question features."""
+
+import math
+
+import pytest
+import torch
+from tiny_models import write_tiny_gguf
+
+from cprag.backbone import gguf_reference, load_backbone
+from cprag.lexical import lexical_features, question_words, sentence_ids, word_ids
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lexical") / "base.gguf"
+    write_tiny_gguf(path)
+    return load_backbone(gguf_reference(path), use_cache=False)[1]
+
+
+def test_sub_word_tokens_of_one_word_share_an_id_and_stopwords_get_none(tokenizer):
+    ids = tokenizer("The Lighthouse, lighthouse<|im_end|>keeper of 1871 a", add_special_tokens=False)["input_ids"]
+    words = word_ids(tokenizer, ids).tolist()
+    pieces = [tokenizer.decode([i]) for i in ids]
+    by_word = {}
+    for piece, word in zip(pieces, words, strict=True):
+        by_word.setdefault(word, []).append(piece)
+    assert "".join(by_word[words[pieces.index("L")]]).replace(" ", "") == "Lighthouselighthouse"  # case folded
+    keeper, year = words[pieces.index("k")], words[pieces.index("8")]
+    assert keeper >= 0 and year >= 0 and len({keeper, year, words[pieces.index("L")]}) == 3  # the end token splits
+    assert words[pieces.index("T")] == -1  # "the" is a stopword
+    assert words[-1] == -1 and words[pieces.index(",")] == -1  # one-letter words and punctuation
+
+
+def test_question_words_are_the_distinct_content_words(tokenizer):
+    words = question_words(tokenizer, "Who kept the lighthouse, the LIGHTHOUSE?")
+    passage = word_ids(tokenizer, tokenizer(" kept lighthouse", add_special_tokens=False)["input_ids"])
+    assert sorted(words.tolist()) == sorted(set(passage[passage >= 0].tolist()))
+
+
+def test_overlap_is_the_idf_weighted_share_of_question_words_within_the_window():
+    query = torch.tensor([7, 9])
+    memory = torch.tensor([7, -1, -1, -1, 9, -1, 9, -1])
+    features = lexical_features(query, memory, windows=(1,))
+    w7, w9 = math.log1p(8 / 2), math.log1p(8 / 3)  # idf over the memory: 7 occurs once, 9 twice
+    expected = [w7, w7, 0, w9, w9, w9, w9, w9]
+    assert torch.allclose(features[:, 0], torch.tensor(expected) / (w7 + w9))
+    assert features[:, 1].tolist() == [1, 0, 0, 0, 1, 0, 1, 0]
+    assert lexical_features(torch.tensor([], dtype=torch.long), memory).abs().sum() == 0
+
+
+def test_sentence_features_share_within_each_sentence_and_relative_to_the_best():
+    query = torch.tensor([7, 9])
+    memory = torch.tensor([7, 9, -1, 9, -1, -1])
+    sentences = torch.tensor([0, 0, 0, 5, 5, 8])
+    features = lexical_features(query, memory, windows=(0,), sentences=sentences)
+    w7, w9 = math.log1p(6 / 2), math.log1p(6 / 3)
+    share = torch.tensor([1.0, 1.0, 1.0, w9 / (w7 + w9), w9 / (w7 + w9), 0.0])
+    assert torch.allclose(features[:, 1], share) and torch.allclose(features[:, 2], share)  # the best share is 1
+    assert features.shape == (6, 4) and features[:, 3].tolist() == [1, 1, 0, 1, 0, 0]
+
+
+def test_sentences_end_at_full_stops_and_special_tokens(tokenizer):
+    ids = tokenizer("One two. Three<|im_end|>four", add_special_tokens=False)["input_ids"]
+    numbers = sentence_ids(tokenizer, ids).tolist()
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert numbers[pieces.index("O")] == numbers[pieces.index(".")] == 0
+    assert numbers[pieces.index("T")] == 1 and numbers[pieces.index("f")] == 2
+
+
+def test_answer_type_indicators_pair_the_question_type_with_the_pasted_token_type(tokenizer):
+    from cprag.lexical import QUESTION_TYPES, TOKEN_TYPES, question_type, token_type_table
+
+    names = [name for name, _ in QUESTION_TYPES] + ["none"]
+    assert names[question_type("How many bells does it ring?")] == "quantity"
+    assert names[question_type("In what year was it built?")] == "time"
+    assert names[question_type("Who designed the bridge?")] == "person"
+    assert names[question_type("Name the keeper.")] == "none"
+    ids = tokenizer(" 1871 Margit keeps the,", add_special_tokens=False)["input_ids"]
+    kinds = [TOKEN_TYPES[k] for k in token_type_table(tokenizer)[torch.tensor(ids)].tolist()]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert kinds[pieces.index("1")] == "digit" and kinds[pieces.index(",")] == "other"
+    assert kinds[pieces.index("a")] == "word continuation"
+    features = lexical_features(torch.tensor([5]), torch.tensor([5, -1]), windows=(1,), question_kind=2,
+                                token_types=torch.tensor([0, 4]))
+    assert features.shape == (2, 2 + (len(QUESTION_TYPES) + 1) * len(TOKEN_TYPES))  # overlap, in_question, types
+    on = features[:, 2:].nonzero().tolist()
+    assert on == [[0, 2 * len(TOKEN_TYPES) + 0], [1, 2 * len(TOKEN_TYPES) + 4]]
+
+
+def test_inside_word_marks_tokens_that_continue_a_word(tokenizer):
+    from cprag.lexical import inside_word
+
+    ids = tokenizer("ab 1871.", add_special_tokens=False)["input_ids"]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    inside = dict(zip(pieces, inside_word(tokenizer, torch.tensor(ids)).tolist(), strict=False))
+    assert pieces[:2] == ["a", "b"] and inside_word(tokenizer, torch.tensor(ids)).tolist()[:2] == [False, True]
+    assert inside["8"] and inside["7"] and not inside["."]
