@@ -61,17 +61,23 @@ def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
     assert not (tmp_path / "ckpt" / STATE_FILE).exists()
 
 
-def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
+def fresh_model_and_features(tmp_path):
+    """(data, model, tokenizer, passage features, question features, question text) on the tiny SQuAD file."""
     from cprag.checkpoint import new_cplm
     from cprag.features import extract_features
-    from cprag.train import teacher_forced_validation, train_head
 
     write_tiny_gguf(tmp_path / "base.gguf")
     data = read_squad(tiny_squad(tmp_path / "tiny.json"))
     torch.manual_seed(0)
     model, tokenizer = new_cplm(gguf_reference(tmp_path / "base.gguf"), **SMOKE["head"])
     passages, questions, _ = extract_features(model, tokenizer, data)
-    text = {e.qid: e.question for e in data.examples}
+    return data, model, tokenizer, passages, questions, {e.qid: e.question for e in data.examples}
+
+
+def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
+    from cprag.train import teacher_forced_validation, train_head
+
+    data, model, tokenizer, passages, questions, text = fresh_model_and_features(tmp_path)
     config = TrainConfig(**{**SMOKE, "epochs": 30, "batch_size": 8})
     before = teacher_forced_validation(model, tokenizer, questions, passages, text, distractors=2)
     report = train_head(model, tokenizer, questions, passages, text, config)
@@ -81,17 +87,10 @@ def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
 
 
 def test_the_visible_form_trains_the_head_to_copy_from_the_prompt(tmp_path):
-    from cprag.checkpoint import new_cplm
-    from cprag.features import extract_features
     from cprag.generate import generate
     from cprag.train import train_head
 
-    write_tiny_gguf(tmp_path / "base.gguf")
-    data = read_squad(tiny_squad(tmp_path / "tiny.json"))
-    torch.manual_seed(0)
-    model, tokenizer = new_cplm(gguf_reference(tmp_path / "base.gguf"), **SMOKE["head"])
-    passages, questions, _ = extract_features(model, tokenizer, data)
-    text = {e.qid: e.question for e in data.examples}
+    data, model, tokenizer, passages, questions, text = fresh_model_and_features(tmp_path)
     before = {n: p.detach().clone() for n, p in model.cp_head.named_parameters()}
     config = TrainConfig(**{**SMOKE, "epochs": 20, "batch_size": 4, "distractors": 1, "form": "visible"})
     report = train_head(model, tokenizer, questions, passages, text, config)
