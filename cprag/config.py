@@ -7,6 +7,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
 from cprag.errors import ConfigError
+from cprag.lexical import DEFAULT_WINDOW
 
 
 @strict
@@ -43,7 +44,7 @@ class CPLMConfig(PreTrainedConfig):
     successor_bias: bool = False
     # query-time lexical match features of each entry (cprag.lexical), weighted by learned scalars
     lexical_prior: bool = False
-    lexical_windows: list[int] | None = None  # the overlap features' half-widths, in tokens (default [12])
+    lexical_windows: list[int] | None = None  # overlap half-widths (default: [DEFAULT_WINDOW])
     lexical_sentences: bool = False  # also the overlap within each entry's sentence
     lexical_types: bool = False  # also the answer-type prior: (question type, pasted token type) indicators
     # a small causal transformer over the question side's CP input (the last `query_refine_window` positions),
@@ -111,7 +112,7 @@ class CPLMConfig(PreTrainedConfig):
 
     @property
     def lexical_window_sizes(self) -> list[int]:
-        return list(self.lexical_windows or [12])
+        return list(self.lexical_windows or [DEFAULT_WINDOW])
 
     @property
     def vocab_size(self) -> int:

@@ -104,24 +104,7 @@ def make_batch(questions: list[QuestionFeatures], prompts: dict[str, list[int]],
         target_logit[row, :n] = q.lm_target
         start = slot[q.passage_id] * width + q.span[0]  # entry j of a passage pastes its token j
         prev[row, 1:n] = torch.arange(start, start + n - 1)
-    prior = None
-    if lexicon is not None:  # entry j of a passage pastes token j + 1; its last entry pastes the end (no word)
-        words = torch.full((len(memory), width), -1, dtype=torch.long)
-        kinds = torch.full((len(memory), width), TOKEN_TYPES.index("other"), dtype=torch.long)
-        # a passage's sentences are numbered within its row; the end entry and padding form one more sentence
-        sentences = torch.arange(len(memory)).unsqueeze(1) * width + width - 1
-        sentences = sentences.expand(-1, width).clone()
-        for index, pid in enumerate(memory):
-            words[index, : len(passages[pid].ids)] = lexicon.passages[pid]
-            if lexicon.token_types is not None:
-                kinds[index, : len(passages[pid].ids)] = lexicon.token_types[passages[pid].ids]
-            if lexicon.sentences is not None:
-                sentences[index, : len(passages[pid].ids)] = lexicon.sentences[pid] + index * width
-        words, sentences = words.reshape(-1), sentences.reshape(-1) if lexicon.sentences is not None else None
-        kinds = kinds.reshape(-1) if lexicon.token_types is not None else None
-        prior = torch.stack([lexical_features(lexicon.questions[q.qid], words, lexicon.windows, sentences,
-                                              lexicon.kinds[q.qid] if lexicon.kinds else None, kinds)
-                             for q in questions])
+    prior = lexicon.features(questions, memory, passages, width) if lexicon is not None else None
     return Batch(
         hidden=_pad([q.hidden for q in questions]).float(),
         cp=_pad([q.cp for q in questions]).float() if questions[0].cp is not None else None,
@@ -227,6 +210,26 @@ class Lexicon:
                    model.config.lexical_window_sizes, sentences,
                    {qid: question_type(question_text[qid]) for qid in qids} if types else None,
                    token_type_table(tokenizer) if types else None)
+
+    def features(self, questions: list[QuestionFeatures], memory: list[str], passages: dict[str, PassageFeatures],
+                 width: int) -> torch.Tensor:
+        """(B, N * width, F) lexical features of a batch memory (N passages in rows of `width` entries) for each
+        question. Entry j of a passage pastes token j + 1; its last entry pastes the end (no word)."""
+        words = torch.full((len(memory), width), -1, dtype=torch.long)
+        kinds = torch.full((len(memory), width), TOKEN_TYPES.index("other"), dtype=torch.long)
+        # a passage's sentences are numbered within its row; the end entry and padding form one more sentence
+        sentences = (torch.arange(len(memory)).unsqueeze(1) * width + width - 1).expand(-1, width).clone()
+        for index, pid in enumerate(memory):
+            n = len(passages[pid].ids)
+            words[index, :n] = self.passages[pid]
+            if self.token_types is not None:
+                kinds[index, :n] = self.token_types[passages[pid].ids]
+            if self.sentences is not None:
+                sentences[index, :n] = self.sentences[pid] + index * width
+        sentences = sentences.reshape(-1) if self.sentences is not None else None
+        kinds = kinds.reshape(-1) if self.token_types is not None else None
+        return torch.stack([lexical_features(self.questions[q.qid], words.reshape(-1), self.windows, sentences,
+                                             self.kinds[q.qid] if self.kinds else None, kinds) for q in questions])
 
 
 @dataclass
