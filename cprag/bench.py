@@ -73,13 +73,19 @@ def latency_hidden_vs_visible(index, questions: list[str], ks=(1, 5, 10), new_to
     for k in ks:
         k = min(k, len(index))
         times = {name: [] for name in runs}
+        passage_tokens, prompt_tokens = [], []
         for question in questions:
             hits = index.retrieve([question], k)[0]
             passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
+            passage_tokens += [len(p.ids) for p in passages]
             for name, (mode, draft) in runs.items():
                 times[name].append(_timed(lambda m=mode, d=draft, p=passages, q=question: generate(
                     index.model, index.tokenizer, q, p, m, max_new_tokens=new_tokens, stop_at_end=False,
                     draft_tokens=d), 1))
+            prompt_tokens.append(generate(index.model, index.tokenizer, question, passages, "visible",
+                                          max_new_tokens=1).prompt_tokens)
+        figures[f"latency/passage_tokens_mean@k{k}"] = round(float(np.mean(passage_tokens)), 1)
+        figures[f"latency/visible_prompt_tokens@k{k}"] = round(float(np.mean(prompt_tokens)), 1)
         median = {name: float(np.median(values)) for name, values in times.items()}
         for name, seconds in median.items():
             figures[f"latency/{name}@k{k}_ms"] = round(seconds * 1000, 1)

@@ -105,3 +105,13 @@ def load_model(path: str | Path | None = None, device: str | None = None):
     if device is not None:
         model = model.to(device)
     return model.eval(), tokenizer
+
+
+def held_out_articles(path: str | Path | None = None) -> list[str]:
+    """The SQuAD articles a checkpoint's training held out for validation (from its train_config.json)."""
+    directory = Path(path) if path is not None else DEFAULT_CHECKPOINT
+    try:
+        articles = json.loads((directory / "train_config.json").read_text())["validation_articles"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(str(directory), "no train_config.json naming its validation articles") from None
+    return list(articles)

@@ -368,6 +368,8 @@ def eval_squad_command(
     limit: int = typer.Option(None, "--limit", help="A seeded random sample of N questions."),
     seed: int = typer.Option(0, "--seed"),
     k: int = typer.Option(5, "-k", help="Passages retrieved per question (with --index)."),
+    held_out: bool = typer.Option(False, "--held-out", help="Only questions of the articles the checkpoint's "
+                                  "training held out (named in its train_config.json)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -375,14 +377,17 @@ def eval_squad_command(
     """Answer SQuAD questions in every mode with one checkpoint; write results, summary, report and plots.
 
     Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 300 --out eval/runs/squad
+    Example: cprag eval squad DATA --oracle --held-out --limit 300 --out eval/squad-heldout
     """
+    from cprag.checkpoint import held_out_articles
     from cprag.errors import ConfigError
     from cprag.evaluate import SquadEvalConfig, evaluate_squad, write_squad_report
 
     if (index is None) == (not oracle):
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
-                             limit=limit, seed=seed, k=k)
+                             limit=limit, seed=seed, k=k,
+                             articles=tuple(held_out_articles(checkpoint)) if held_out else None)
     with err.status("loading the model"):
         if index is not None:
             from cprag.api import Index
@@ -398,7 +403,9 @@ def eval_squad_command(
         task = progress.add_task("answering", total=None)
         summary, results = evaluate_squad(data, config, model, tokenizer, opened,
                                           lambda done, total: progress.update(task, completed=done, total=total))
-    write_squad_report(out_dir, summary, results, f"SQuAD ({summary['eval/source']}, {summary['eval/questions']} q)")
+    split = ", held-out articles" if held_out else ""
+    write_squad_report(out_dir, summary, results,
+                       f"SQuAD ({summary['eval/source']}{split}, {summary['eval/questions']} q)")
     if as_json:
         emit_json(summary)
         return
@@ -412,27 +419,42 @@ def eval_bench_command(
     corpus: Path = typer.Option(Path("examples/corpus.jsonl"), "--corpus", help="Corpus to index and query."),
     index: Path = typer.Option(None, "--index", "-i", help="Use this index instead of building one."),
     questions: int = typer.Option(5, "--questions", help="Questions per latency figure."),
+    documents: int = typer.Option(0, "--documents", help="Index a seeded sample of this many documents (0: all)."),
+    seed: int = typer.Option(0, "--seed"),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
 ):
     """Measure in one run: keys vs KV-cache bytes per token, hidden vs visible latency at k = 1, 5, 10, key
     encoding vs bare forward throughput, and warm vs cold key-shard cache throughput.
 
+    The hidden/visible ratio depends on how long the passages are (visible mode reads them all), so the figures
+    include the mean passage length; the example corpus has ~70-token passages, SQuAD paragraphs ~160.
+
     Example: cprag eval bench --json
+    Example: cprag eval bench --corpus squad-v1.1-dev.json --documents 40 --json
     """
+    import random
     import tempfile
+    from dataclasses import asdict
 
     from cprag.api import Index
     from cprag.bench import encode_vs_forward, latency_hidden_vs_visible, memory_figures, warm_vs_cold
     from cprag.checkpoint import load_model
     from cprag.corpus import read_corpus
+    from cprag.errors import ConfigError
     from cprag.indexing import IndexConfig, build_index
     from cprag.retrieve import MiniLMEmbedder
 
+    if documents < 0:
+        raise ConfigError("--documents", documents, "must be 0 (all) or a positive count")
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
-    documents = read_corpus(corpus).documents
     with tempfile.TemporaryDirectory() as scratch:
+        chosen = read_corpus(corpus).documents
+        if documents and index is None:
+            chosen = random.Random(seed).sample(chosen, min(documents, len(chosen)))
+            corpus = Path(scratch) / "bench-corpus.jsonl"
+            corpus.write_text("".join(json.dumps(asdict(d)) + "\n" for d in chosen))
         if index is None:
             index = Path(scratch) / "bench-index"
             with err.status("indexing the corpus"):
@@ -440,11 +462,11 @@ def eval_bench_command(
                 build_index(corpus, index, model, tokenizer, MiniLMEmbedder(),
                             IndexConfig(max_passage_tokens=passage_tokens, rebuild=True))
         opened = Index(index, model=model, tokenizer=tokenizer)
-        asked = [f"What is said about {d.title or d.id}?" for d in documents][:questions]
+        asked = [f"What is said about {d.title or d.id}?" for d in chosen][:questions]
         figures = {}
         with err.status("memory and throughput"):
             figures.update(memory_figures(opened))
-            figures.update(encode_vs_forward(model, tokenizer, [d.text for d in documents]))
+            figures.update(encode_vs_forward(model, tokenizer, [d.text for d in chosen]))
         with err.status("hidden vs visible latency"):
             figures.update(latency_hidden_vs_visible(opened, asked))
         with err.status("warm vs cold key-shard cache"):

@@ -47,6 +47,7 @@ class CPLMConfig(PreTrainedConfig):
     lexical_windows: list[int] | None = None  # overlap half-widths (default: [DEFAULT_WINDOW])
     lexical_sentences: bool = False  # also the overlap within each entry's sentence
     lexical_types: bool = False  # also the answer-type prior: (question type, pasted token type) indicators
+    lexical_sentence_starts: bool = False  # a capitalised word opening a sentence is its own token type
     # a small causal transformer over the question side's CP input (the last `query_refine_window` positions),
     # added to the queries: the backbone's state at one position is made for the next token, not for asking
     query_refine_layers: int = 0

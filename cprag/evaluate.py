@@ -27,6 +27,7 @@ class SquadEvalConfig:
     k: int = 5
     distractors: int = 4
     max_new_tokens: int = 32
+    articles: tuple[str, ...] | None = None  # only questions of these articles (a checkpoint's held-out ones)
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -38,8 +39,12 @@ class SquadEvalConfig:
             raise ConfigError("-k", self.k, "must be at least 1")
 
 
-def sample_examples(data, limit: int | None, seed: int):
+def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):
     examples = list(data.examples)
+    if articles is not None:
+        examples = [e for e in examples if e.article in set(articles)]
+        if not examples:
+            raise ConfigError("--held-out", ", ".join(articles), "none of these articles is in the data")
     if limit is not None and limit < len(examples):
         examples = random.Random(seed).sample(examples, limit)
     return examples
@@ -52,7 +57,7 @@ def evaluate_squad(
     """Answer every sampled question in every mode; with `index` (an opened cprag.Index) passages are retrieved,
     otherwise each question gets its gold passage plus `distractors` others (oracle)."""
     data = read_squad(data_path)
-    examples = sample_examples(data, config.limit, config.seed)
+    examples = sample_examples(data, config.limit, config.seed, config.articles)
     total = len(examples) * len(config.modes)
     done = [0]
 
@@ -77,6 +82,7 @@ def evaluate_squad(
     summary.update(extra)
     summary["eval/questions"] = len(examples)
     summary["eval/source"] = "index" if index is not None else "oracle"
+    summary["eval/articles"] = "held-out" if config.articles is not None else "all"
     return summary, results
 
 

@@ -15,12 +15,12 @@ import torch
 from cprag.cache import DevicePassage
 from cprag.errors import QuestionTooLong
 from cprag.lexical import (
+    entry_token_types,
     inside_word,
     lexical_features,
     question_type,
     question_words,
     sentence_ids,
-    token_type_table,
     word_ids,
 )
 from cprag.mixture import NEG_INF
@@ -144,8 +144,9 @@ def generate(
 
     `choose="entry"` takes the most probable single derivation at each step (one copy entry, or the generator);
     `choose="token"` takes the most probable token of the mixture, then credits the entry that gave it most.
-    `whole_words` keeps the "end here" entries from ending a copied span inside a word (between two tokens with
-    letters or digits on both sides and no space), which the training answers never do.
+    `whole_words` finishes every copied word: after a token copied from passage entry j, when entry j+1 continues
+    the same word (letters or digits on both sides, no space), entry j+1 is copied next, and no "end here" entry
+    may end a span inside a word. Training answers never cut a word, and a 7-digit number is 7 tokens.
 
     A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
     and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
@@ -162,15 +163,18 @@ def generate(
         raise QuestionTooLong(len(prompt) + max_new_tokens, window)
     memory, owner, position = shared_memory(passages) if mode == "hidden" else (None, None, None)
     device = next(model.parameters()).device
+    continues = None  # (M,) entry m's token continues entry m - 1's word, when whole words are kept
     if memory is not None and whole_words:
-        memory.end_allowed = ~inside_word(tokenizer, memory.ids[0]).unsqueeze(0).to(device)
+        continues = inside_word(tokenizer, memory.ids[0])
+        memory.end_allowed = ~continues.unsqueeze(0).to(device)
     if memory is not None and model.config.lexical_prior:
         ids = memory.ids[0].tolist()
         sentences = sentence_ids(tokenizer, ids) if model.config.lexical_sentences else None
-        types = token_type_table(tokenizer)[memory.ids[0].cpu()] if model.config.lexical_types else None
+        starts = model.config.lexical_sentence_starts
+        types = entry_token_types(tokenizer, ids, starts) if model.config.lexical_types else None
         memory.prior = lexical_features(question_words(tokenizer, question), word_ids(tokenizer, ids),
                                         model.config.lexical_window_sizes, sentences, question_type(question),
-                                        types).unsqueeze(0).to(device)
+                                        types, starts).unsqueeze(0).to(device)
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
     last = torch.tensor([[len(prompt) - 1]], device=device)  # only the last prompt position predicts
@@ -190,8 +194,18 @@ def generate(
         tokens.append(token)
         sources.append(None if entry is None else (int(owner[entry]), int(position[entry])))
 
+    def word_goes_on(entry: int | None) -> bool:
+        """Entry `entry` finishes the word its predecessor's copy started (so it must be copied next)."""
+        return (continues is not None and entry is not None and 0 < entry < len(continues)
+                and bool(continues[entry]) and owner[entry] == owner[entry - 1])
+
+    entry = None
     while len(tokens) < max_new_tokens:
-        token, entry = pick(step, context)
+        if entry is not None and word_goes_on(entry + 1):
+            entry = entry + 1
+            token = int(memory.ids[0, entry])
+        else:
+            token, entry = pick(step, context)
         if token in stop:
             break
         emit(token, entry)
@@ -205,10 +219,12 @@ def generate(
         kept = 0
         for drafted in draft:
             step = Step.at(out, kept)
-            guess, source = pick(step, out.context)
-            if guess != int(memory.ids[0, drafted]) or guess in stop or source != drafted:
-                break
-            emit(guess, drafted)
+            if not word_goes_on(drafted):
+                guess, source = pick(step, out.context)
+                if guess != int(memory.ids[0, drafted]) or guess in stop or source != drafted:
+                    break
+            emit(int(memory.ids[0, drafted]), drafted)
+            entry = drafted
             kept += 1
         step, context = Step.at(out, kept), _rewind(out.context, len(draft) - kept)
     generation = Generation(

@@ -31,7 +31,9 @@ QUESTION_TYPES = [
     ("manner", r"\bhow\b"),
     ("thing", r"\bwhat\b|\bwhich\b"),
 ]
-TOKEN_TYPES = ["digit", "capitalised word", "lowercase word", "word continuation", "other"]
+# the last type is used only with `sentence_starts`: a capitalised word that opens a sentence says less about
+# being a name ("The", "In") than one inside it
+TOKEN_TYPES = ["digit", "capitalised word", "lowercase word", "word continuation", "other", "sentence start"]
 
 DEFAULT_WINDOW = 12
 
@@ -131,8 +133,12 @@ def question_words(tokenizer, question: str) -> torch.Tensor:
     return torch.unique(words[words >= 0])
 
 
-def feature_count(windows, sentences: bool, types: bool = False) -> int:
-    return len(windows) + 2 * bool(sentences) + 1 + types * (len(QUESTION_TYPES) + 1) * len(TOKEN_TYPES)
+def type_count(sentence_starts: bool) -> int:
+    return len(TOKEN_TYPES) - (not sentence_starts)
+
+
+def feature_count(windows, sentences: bool, types: bool = False, sentence_starts: bool = False) -> int:
+    return len(windows) + 2 * bool(sentences) + 1 + types * (len(QUESTION_TYPES) + 1) * type_count(sentence_starts)
 
 
 def question_type(question: str) -> int:
@@ -157,26 +163,47 @@ def token_type_table(tokenizer) -> torch.Tensor:
     return torch.tensor([kind(p) for p in token_pieces(tokenizer)], dtype=torch.long)
 
 
-def type_features(question_kind: int, token_types: torch.Tensor) -> torch.Tensor:
-    """(M, (len(QUESTION_TYPES) + 1) * len(TOKEN_TYPES)) indicators of (question type, token type)."""
-    features = torch.zeros((token_types.shape[0], (len(QUESTION_TYPES) + 1) * len(TOKEN_TYPES)))
-    features.scatter_(1, (question_kind * len(TOKEN_TYPES) + token_types).unsqueeze(1), 1.0)
+def entry_token_types(tokenizer, ids, sentence_starts: bool = False) -> torch.Tensor:
+    """(n,) int64 index into TOKEN_TYPES of each paste token id (n,); with `sentence_starts`, the first token of
+    a sentence with a letter or digit in it is a "sentence start" when that is a capital letter."""
+    ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+    types = token_type_table(tokenizer)[ids]
+    if sentence_starts:
+        pieces, ends = token_pieces(tokenizer), _sentence_ends(tokenizer)
+        opening = True
+        for index, token in enumerate(ids.tolist()):
+            body = pieces[token].lstrip() if 0 <= token < len(pieces) else ""
+            if opening and body[:1].isalnum():
+                if body[0].isupper():
+                    types[index] = TOKEN_TYPES.index("sentence start")
+                opening = False
+            if token in ends:
+                opening = True
+    return types
+
+
+def type_features(question_kind: int, token_types: torch.Tensor, sentence_starts: bool = False) -> torch.Tensor:
+    """(M, (len(QUESTION_TYPES) + 1) * T) indicators of (question type, token type); T = `type_count`."""
+    count = type_count(sentence_starts)
+    features = torch.zeros((token_types.shape[0], (len(QUESTION_TYPES) + 1) * count))
+    features.scatter_(1, (question_kind * count + token_types).unsqueeze(1), 1.0)
     return features
 
 
 def lexical_features(query_words: torch.Tensor, memory_words: torch.Tensor, windows=(DEFAULT_WINDOW,),
                      sentences: torch.Tensor | None = None, question_kind: int | None = None,
-                     token_types: torch.Tensor | None = None):
+                     token_types: torch.Tensor | None = None, sentence_starts: bool = False):
     """query_words (Q,) distinct word ids; memory_words (M,) the word id of each entry's paste token (-1: none);
     sentences (M,) each entry's sentence id, or None; question_kind and token_types (M,) for the answer-type
-    prior, or None -> (M, F) float features in [0, 1]: [overlap within each window, (sentence share, sentence
-    share / best share,) in_question, (type indicators)]; F = `feature_count`.
+    prior, or None (with `sentence_starts`, token_types may be "sentence start") -> (M, F) float features in
+    [0, 1]: [overlap within each window, (sentence share, sentence share / best share,) in_question, (type
+    indicators)]; F = `feature_count`.
 
     Idf is counted over the memory itself, so a word that fills the memory (a document's title word repeated
     in every passage, or filler) says little about where in it the answer is.
     """
     size = memory_words.shape[0]
-    types = None if token_types is None else type_features(question_kind, token_types)
+    types = None if token_types is None else type_features(question_kind, token_types, sentence_starts)
     plain = feature_count(windows, sentences is not None)
     features = torch.zeros((size, plain))
     if query_words.numel() > 0 and size > 0:

@@ -150,7 +150,8 @@ class CopyHead(nn.Module):
         self.end_q_proj = projection(hidden_size, key_dim, config.head_mlp_dim) if config.end_entries else None
         self.successor = nn.Parameter(torch.zeros(2)) if config.successor_bias else None  # (continue, end)
         # weights of the lexical features (cprag.lexical) for copy entries and for their "end here" twins
-        features = feature_count(config.lexical_window_sizes, config.lexical_sentences, config.lexical_types)
+        features = feature_count(config.lexical_window_sizes, config.lexical_sentences, config.lexical_types,
+                                 config.lexical_sentence_starts)
         self.lexical = nn.Parameter(torch.zeros(features)) if config.lexical_prior else None
         self.lexical_end = nn.Parameter(torch.zeros(features)) if config.lexical_prior and config.end_entries else None
         self.query_refiner = (

@@ -20,11 +20,11 @@ import torch
 from cprag.features import PassageFeatures, QuestionFeatures
 from cprag.lexical import (
     TOKEN_TYPES,
+    entry_token_types,
     lexical_features,
     question_type,
     question_words,
     sentence_ids,
-    token_type_table,
     word_ids,
 )
 from cprag.model import CopyMemory
@@ -194,7 +194,8 @@ class Lexicon:
     windows: list[int]  # the overlap features' half-widths
     sentences: dict[str, torch.Tensor] | None  # passage id -> sentence number of each token, when used
     kinds: dict[str, int] | None = None  # qid -> question type, for the answer-type prior
-    token_types: torch.Tensor | None = None  # (V,) token type of every token id
+    token_types: dict[str, torch.Tensor] | None = None  # passage id -> token type of each passage token
+    sentence_starts: bool = False
 
     @classmethod
     def build(cls, model, tokenizer, question_text: dict[str, str], qids,
@@ -204,12 +205,13 @@ class Lexicon:
             return None
         sentences = {pid: sentence_ids(tokenizer, p.ids.tolist()) for pid, p in passages.items()} \
             if model.config.lexical_sentences else None
-        types = model.config.lexical_types
+        types, starts = model.config.lexical_types, model.config.lexical_sentence_starts
         return cls({pid: word_ids(tokenizer, p.ids.tolist()) for pid, p in passages.items()},
                    {qid: question_words(tokenizer, question_text[qid]) for qid in qids},
                    model.config.lexical_window_sizes, sentences,
                    {qid: question_type(question_text[qid]) for qid in qids} if types else None,
-                   token_type_table(tokenizer) if types else None)
+                   {pid: entry_token_types(tokenizer, p.ids, starts) for pid, p in passages.items()} if types
+                   else None, starts)
 
     def features(self, questions: list[QuestionFeatures], memory: list[str], passages: dict[str, PassageFeatures],
                  width: int) -> torch.Tensor:
@@ -223,13 +225,14 @@ class Lexicon:
             n = len(passages[pid].ids)
             words[index, :n] = self.passages[pid]
             if self.token_types is not None:
-                kinds[index, :n] = self.token_types[passages[pid].ids]
+                kinds[index, :n] = self.token_types[pid]
             if self.sentences is not None:
                 sentences[index, :n] = self.sentences[pid] + index * width
         sentences = sentences.reshape(-1) if self.sentences is not None else None
         kinds = kinds.reshape(-1) if self.token_types is not None else None
         return torch.stack([lexical_features(self.questions[q.qid], words.reshape(-1), self.windows, sentences,
-                                             self.kinds[q.qid] if self.kinds else None, kinds) for q in questions])
+                                             self.kinds[q.qid] if self.kinds else None, kinds, self.sentence_starts)
+                            for q in questions])
 
 
 @dataclass

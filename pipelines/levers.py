@@ -34,6 +34,7 @@ VARIANTS: dict[str, dict] = {
     "lexical prior: one window (12 tokens)": head(lexical_windows=[12]),
     "lexical prior: no sentence features": head(lexical_sentences=False),
     "lexical prior: no answer types": head(lexical_types=False),
+    "answer types: sentence-opening capitals as their own type": head(lexical_sentence_starts=True),
     "query refiner 1 x 128": head(query_refine_layers=1),
     "no own-context end entries": head(own_context_ends=False),
     "final layer only (no middle-layer features)": head(cp_layers=None),

@@ -51,6 +51,24 @@ def test_eval_squad_oracle_writes_results_summary_report_and_plots(tmp_path, che
         assert (tmp_path / "out" / name).stat().st_size > 100
 
 
+def test_eval_squad_held_out_keeps_to_the_articles_training_held_out(tmp_path, checkpoint):
+    import shutil
+
+    data = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
+    runner = CliRunner()
+    args = ["eval", "squad", str(data), "--oracle", "--held-out", "--modes", "hidden", "--out", str(tmp_path / "out")]
+    untrained = runner.invoke(app, [*args, "--checkpoint", str(checkpoint)])
+    assert untrained.exit_code != 0 and "validation articles" in untrained.output
+    trained = tmp_path / "trained"
+    shutil.copytree(checkpoint, trained)
+    (trained / "train_config.json").write_text(json.dumps({"validation_articles": ["Geese"]}))
+    result = runner.invoke(app, [*args, "--checkpoint", str(trained), "--json"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert sorted(line["qid"] for line in lines) == ["Geese0", "Geese1"]  # of 8 questions in 4 articles
+    assert json.loads(result.stdout)["eval/articles"] == "held-out"
+
+
 def test_eval_squad_with_an_index_reports_recall(tmp_path, checkpoint):
     data = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
     runner = CliRunner()

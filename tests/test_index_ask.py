@@ -311,3 +311,28 @@ def test_entry_choice_follows_the_surest_entry_where_the_mixture_sums_a_spread_t
     shut = Step(log_probs=generator.log(), log_gate=torch.tensor(1e-6).log(), copy_log_attention=attention.log())
     token, entry = _best_derivation(shut, entry_ids, memory)
     assert entry is None and 0 <= token < vocab  # a shut gate leaves the generator's token
+
+
+def test_whole_words_finish_every_copied_word(tmp_path, embedder):
+    # entries pasting the question's number get +30; a successor bias of -20 never continues a span by itself, so
+    # the head hops between digits, and every continuation below is the whole-word rule's
+    checkpoint = tiny_checkpoint(tmp_path / "model", copy_everything=True, successor=(-20.0, 0.0), lexical_prior=True)
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    index = Index(tmp_path / "idx", checkpoint=checkpoint)
+    with torch.no_grad():
+        index.model.cp_head.lexical.copy_(torch.tensor([0.0, 30.0]))  # (overlap, the pasted word is asked about)
+    from cprag.lexical import inside_word
+
+    question = "Was it 1871 or 2009?"
+    passages = index.cache.get([h.passage_id for h in index.retrieve([question], 5)[0]], index.store.fetch)
+    finished = {}
+    for whole_words in (True, False):
+        generation = generate(index.model, index.tokenizer, question, passages, max_new_tokens=16,
+                              stop_at_end=False, whole_words=whole_words)
+        finished[whole_words] = 0
+        for source, following in zip(generation.sources, generation.sources[1:], strict=False):
+            ids = passages[source[0]].ids
+            if source[1] + 1 < len(ids) and bool(inside_word(index.tokenizer, ids)[source[1] + 1]):
+                assert not whole_words or following == (source[0], source[1] + 1)
+                finished[whole_words] += following == (source[0], source[1] + 1)
+    assert finished[True] > 0 and finished[False] == 0

@@ -68,7 +68,7 @@ def test_sentences_end_at_full_stops_and_special_tokens(tokenizer):
 
 
 def test_answer_type_indicators_pair_the_question_type_with_the_pasted_token_type(tokenizer):
-    from cprag.lexical import QUESTION_TYPES, TOKEN_TYPES, question_type, token_type_table
+    from cprag.lexical import QUESTION_TYPES, TOKEN_TYPES, question_type, token_type_table, type_count
 
     names = [name for name, _ in QUESTION_TYPES] + ["none"]
     assert names[question_type("How many bells does it ring?")] == "quantity"
@@ -82,9 +82,10 @@ def test_answer_type_indicators_pair_the_question_type_with_the_pasted_token_typ
     assert kinds[pieces.index("a")] == "word continuation"
     features = lexical_features(torch.tensor([5]), torch.tensor([5, -1]), windows=(1,), question_kind=2,
                                 token_types=torch.tensor([0, 4]))
-    assert features.shape == (2, 2 + (len(QUESTION_TYPES) + 1) * len(TOKEN_TYPES))  # overlap, in_question, types
+    types = type_count(sentence_starts=False)
+    assert features.shape == (2, 2 + (len(QUESTION_TYPES) + 1) * types)  # overlap, in_question, types
     on = features[:, 2:].nonzero().tolist()
-    assert on == [[0, 2 * len(TOKEN_TYPES) + 0], [1, 2 * len(TOKEN_TYPES) + 4]]
+    assert on == [[0, 2 * types + 0], [1, 2 * types + 4]]
 
 
 def test_inside_word_marks_tokens_that_continue_a_word(tokenizer):
@@ -95,3 +96,17 @@ def test_inside_word_marks_tokens_that_continue_a_word(tokenizer):
     inside = dict(zip(pieces, inside_word(tokenizer, torch.tensor(ids)).tolist(), strict=False))
     assert pieces[:2] == ["a", "b"] and inside_word(tokenizer, torch.tensor(ids)).tolist()[:2] == [False, True]
     assert inside["8"] and inside["7"] and not inside["."]
+
+
+def test_sentence_starts_are_their_own_token_type_only_when_asked(tokenizer):
+    from cprag.lexical import TOKEN_TYPES, entry_token_types, feature_count
+
+    ids = tokenizer("The keeper met Margit. The end", add_special_tokens=False)["input_ids"]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    plain = entry_token_types(tokenizer, ids)
+    starts = entry_token_types(tokenizer, ids, sentence_starts=True)
+    changed = (plain != starts).nonzero().flatten().tolist()
+    assert [pieces[i] for i in changed] == ["T", "T"] and changed[1] > pieces.index(".")  # not "M" of Margit
+    assert {TOKEN_TYPES[k] for k in starts[changed].tolist()} == {"sentence start"}
+    assert "sentence start" not in {TOKEN_TYPES[k] for k in plain.tolist()}
+    assert feature_count([3], False, True, True) - feature_count([3], False, True) == 8  # one type x 8 kinds
