@@ -435,7 +435,6 @@ def eval_bench_command(
     """
     import random
     import tempfile
-    from dataclasses import asdict
 
     from cprag.api import Index
     from cprag.bench import encode_vs_forward, latency_hidden_vs_visible, memory_figures, warm_vs_cold
@@ -454,7 +453,8 @@ def eval_bench_command(
         if documents and index is None:
             chosen = random.Random(seed).sample(chosen, min(documents, len(chosen)))
             corpus = Path(scratch) / "bench-corpus.jsonl"
-            corpus.write_text("".join(json.dumps(asdict(d)) + "\n" for d in chosen))
+            corpus.write_text("".join(json.dumps({**d.metadata, "id": d.id, "title": d.title, "text": d.text}) + "\n"
+                                      for d in chosen))
         if index is None:
             index = Path(scratch) / "bench-index"
             with err.status("indexing the corpus"):

@@ -94,14 +94,15 @@ def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
     assert "needle/hidden/acc_min" in summary and "needle/visible/acc@600/1.0" in summary
     assert (tmp_path / "needle" / "needle_heatmap.png").stat().st_size > 1000
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    bench = runner.invoke(app, ["eval", "bench", "--corpus", str(corpus), "--questions", "2", "--checkpoint",
-                                str(checkpoint), "--json"])
+    bench = runner.invoke(app, ["eval", "bench", "--corpus", str(corpus), "--documents", str(len(DOCS)),
+                                "--questions", "2", "--checkpoint", str(checkpoint), "--json"])
     assert bench.exit_code == 0, bench.output
     figures = json.loads(bench.stdout)
     for key in ("memory/keys_bytes_per_token", "memory/kv_bytes_per_token", "latency/hidden_over_visible@k5",
                 "index/throughput_over_forward", "reuse/warm_over_cold_qps"):
         assert figures[key] > 0
     assert figures["memory/keys_bytes_per_token"] < figures["memory/kv_bytes_per_token"]
+    assert 5 < figures["latency/passage_tokens_mean@k5"] < figures["latency/visible_prompt_tokens@k5"]
 
 
 def test_eval_rejects_bad_flags_with_one_line(tmp_path, checkpoint):
