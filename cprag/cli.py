@@ -379,6 +379,8 @@ def eval_squad_command(
     Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 300 --out eval/runs/squad
     Example: cprag eval squad DATA --oracle --held-out --limit 300 --out eval/squad-heldout
     """
+    from dataclasses import asdict
+
     from cprag.checkpoint import held_out_articles
     from cprag.errors import ConfigError
     from cprag.evaluate import SquadEvalConfig, evaluate_squad, write_squad_report
@@ -399,10 +401,17 @@ def eval_squad_command(
 
             opened = None
             model, tokenizer = load_model(checkpoint)
-    with _progress_bar(as_json) as progress:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _progress_bar(as_json) as progress, open(out_dir / "results.jsonl", "w") as stream:
         task = progress.add_task("answering", total=None)
+
+        def streamed(result) -> None:
+            stream.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
+            stream.flush()
+
         summary, results = evaluate_squad(data, config, model, tokenizer, opened,
-                                          lambda done, total: progress.update(task, completed=done, total=total))
+                                          lambda done, total: progress.update(task, completed=done, total=total),
+                                          streamed)
     split = ", held-out articles" if held_out else ""
     write_squad_report(out_dir, summary, results,
                        f"SQuAD ({summary['eval/source']}{split}, {summary['eval/questions']} q)")

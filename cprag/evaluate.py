@@ -40,29 +40,35 @@ class SquadEvalConfig:
 
 
 def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):
+    """The questions of `articles` (default: all), in file order, then a seeded sample of `limit` of them."""
     examples = list(data.examples)
     if articles is not None:
         examples = [e for e in examples if e.article in set(articles)]
         if not examples:
             raise ConfigError("--held-out", ", ".join(articles), "none of these articles is in the data")
     if limit is not None and limit < len(examples):
-        examples = random.Random(seed).sample(examples, limit)
+        # shuffle then cut, as training's validation does: --held-out --limit N asks the very same questions
+        random.Random(seed).shuffle(examples)
+        examples = examples[:limit]
     return examples
 
 
 def evaluate_squad(
     data_path: str | Path, config: SquadEvalConfig, model, tokenizer, index=None,
-    on_progress: Callable[[int, int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None, on_result: Callable[[QAResult], None] | None = None,
 ) -> tuple[dict, list[QAResult]]:
     """Answer every sampled question in every mode; with `index` (an opened cprag.Index) passages are retrieved,
-    otherwise each question gets its gold passage plus `distractors` others (oracle)."""
+    otherwise each question gets its gold passage plus `distractors` others (oracle). `on_result` sees each
+    answer as it comes (the CLI streams them to results.jsonl, so a long run can be followed and is not lost)."""
     data = read_squad(data_path)
     examples = sample_examples(data, config.limit, config.seed, config.articles)
     total = len(examples) * len(config.modes)
     done = [0]
 
-    def tick(_result):
+    def tick(result):
         done[0] += 1
+        if on_result:
+            on_result(result)
         if on_progress:
             on_progress(done[0], total)
 

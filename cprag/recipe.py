@@ -13,6 +13,7 @@ import torch
 
 from cprag.backbone import BaseReference, cache_root, default_reference
 from cprag.checkpoint import model_fingerprint, new_cplm
+from cprag.evaluate import sample_examples
 from cprag.features import extract_features, features_key, load_or_extract
 from cprag.qa_eval import evaluate_oracle, summarize
 from cprag.squad import article_of, article_split, read_squad
@@ -103,9 +104,8 @@ def train_checkpoint(
     held_out = prepared.split(validation_articles)
     teacher_forced = teacher_forced_validation(model, tokenizer, held_out, passages, text, config.distractors,
                                                config.seed)
-    validation = [e for e in data.examples if e.article in validation_articles]
-    random.Random(config.seed).shuffle(validation)
-    validation = validation[:validation_questions]
+    # the questions `cprag eval squad --held-out --limit N` asks too
+    validation = sample_examples(data, validation_questions, config.seed, tuple(sorted(validation_articles)))
     tick = time.perf_counter()
     results = evaluate_oracle(model, tokenizer, validation, data.passages, list(validation_modes),
                               distractors=config.distractors, seed=config.seed)

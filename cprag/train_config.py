@@ -9,7 +9,7 @@ from cprag.errors import ConfigError
 
 @dataclass
 class TrainConfig:
-    epochs: float = 8.0
+    epochs: float = 6.0
     lr: float = 2e-3
     weight_decay: float = 0.01
     # scalars (successor bias, sink bias, the <copy> bias) must travel several nats, and Adam moves a parameter
@@ -29,7 +29,7 @@ class TrainConfig:
         "key_dim": 64, "key_sees_token": False, "doc_refine_layers": 1, "doc_refine_dim": 128,
         "end_entries": True, "successor_bias": True, "cp_layers": [8, 16, 24], "doc_lookahead": 0,
         "lexical_prior": True, "lexical_windows": [3, 12, 40], "lexical_sentences": True, "lexical_types": True,
-        "lexical_sentence_starts": True, "copied_span_ends": "successor",
+        "copied_span_ends": "successor",
     })
 
     def __post_init__(self):

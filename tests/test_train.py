@@ -48,8 +48,10 @@ SMOKE = dict(epochs=2, batch_size=4, distractors=2, lr=5e-3, validation_fraction
 def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
     write_tiny_gguf(tmp_path / "base.gguf")
     data = tiny_squad(tmp_path / "tiny.json")
-    metrics = train_checkpoint(data, tmp_path / "ckpt", TrainConfig(**SMOKE), base=gguf_reference(tmp_path /
-                               "base.gguf"), validation_questions=4, validation_modes=("hidden", "closed"))
+    # 4 distractors, as `cprag eval squad --oracle` uses
+    metrics = train_checkpoint(data, tmp_path / "ckpt", TrainConfig(**{**SMOKE, "distractors": 4}),
+                               base=gguf_reference(tmp_path / "base.gguf"), validation_questions=4,
+                               validation_modes=("hidden", "closed"))
     assert metrics["train/steps"] == 2 * (6 // 4) and metrics["qa/hidden/n"] == 2
     assert 0 <= metrics["qa/hidden/f1"] <= 100 and "qa/closed/em" in metrics
     assert 0 <= metrics["validation/tf/start"] <= 100 and 0 <= metrics["validation/tf/exact"] <= 100
@@ -59,6 +61,20 @@ def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     assert loaded.config.end_entries and loaded.cp_head.doc_refiner is not None
     assert not (tmp_path / "ckpt" / STATE_FILE).exists()
+    # `cprag eval squad --held-out` asks the checkpoint's validation questions and scores them the same
+    from typer.testing import CliRunner
+
+    from cprag.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "squad", str(data), "--oracle", "--held-out", "--modes", "hidden",
+                                      "--limit", "4", "--out", str(tmp_path / "eval"), "--checkpoint",
+                                      str(tmp_path / "ckpt"), "--json"])
+    assert result.exit_code == 0, result.output
+    validated = [json.loads(line) for line in (tmp_path / "ckpt" / "validation.jsonl").read_text().splitlines()]
+    evaluated = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
+    hidden = [(r["qid"], r["passages"], r["prediction"]) for r in validated if r["mode"] == "hidden"]
+    assert hidden == [(r["qid"], r["passages"], r["prediction"]) for r in evaluated]
+    assert json.loads(result.stdout)["qa/hidden/em"] == metrics["qa/hidden/em"]
 
 
 def fresh_model_and_features(tmp_path):
