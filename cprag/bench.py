@@ -19,12 +19,13 @@ from cprag.generate import generate
 from cprag.indexing import kv_cache_bytes_per_token
 
 
-def _timed(fn: Callable, repeats: int) -> float:
-    fn()  # warm-up
+def _timed(fn: Callable, repeats: int) -> tuple[float, object]:
+    """(mean seconds per call after one warm-up call, the last call's result)."""
+    result = fn()  # warm-up
     start = time.perf_counter()
     for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
+        result = fn()
+    return (time.perf_counter() - start) / repeats, result
 
 
 @torch.inference_mode()
@@ -43,7 +44,7 @@ def encode_vs_forward(model, tokenizer, texts: list[str], max_tokens: int = 4096
         for _ in encode_passages(model, tokenized, bos_id=bos, max_tokens=max_tokens):
             pass
 
-    forward_s, encode_s = _timed(forward, 2), _timed(encode, 2)
+    (forward_s, _), (encode_s, _) = _timed(forward, 2), _timed(encode, 2)
     return {"index/encode_tokens_per_s": round(tokens / encode_s, 1),
             "index/forward_tokens_per_s": round(tokens / forward_s, 1),
             "index/throughput_over_forward": round(forward_s / encode_s, 3)}
@@ -79,11 +80,12 @@ def latency_hidden_vs_visible(index, questions: list[str], ks=(1, 5, 10), new_to
             passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
             passage_tokens += [len(p.ids) for p in passages]
             for name, (mode, draft) in runs.items():
-                times[name].append(_timed(lambda m=mode, d=draft, p=passages, q=question: generate(
+                seconds, generation = _timed(lambda m=mode, d=draft, p=passages, q=question: generate(
                     index.model, index.tokenizer, q, p, m, max_new_tokens=new_tokens, stop_at_end=False,
-                    draft_tokens=d), 1))
-            prompt_tokens.append(generate(index.model, index.tokenizer, question, passages, "visible",
-                                          max_new_tokens=1).prompt_tokens)
+                    draft_tokens=d), 1)
+                times[name].append(seconds)
+                if mode == "visible":
+                    prompt_tokens.append(generation.prompt_tokens)
         figures[f"latency/passage_tokens_mean@k{k}"] = round(float(np.mean(passage_tokens)), 1)
         figures[f"latency/visible_prompt_tokens@k{k}"] = round(float(np.mean(prompt_tokens)), 1)
         median = {name: float(np.median(values)) for name, values in times.items()}

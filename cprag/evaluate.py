@@ -43,7 +43,8 @@ def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...
     """The questions of `articles` (default: all), in file order, then a seeded sample of `limit` of them."""
     examples = list(data.examples)
     if articles is not None:
-        examples = [e for e in examples if e.article in set(articles)]
+        wanted = set(articles)
+        examples = [e for e in examples if e.article in wanted]
         if not examples:
             raise ConfigError("--held-out", ", ".join(articles), "none of these articles is in the data")
     if limit is not None and limit < len(examples):

@@ -3,18 +3,15 @@
 import json
 
 import pytest
-from tiny_models import write_tiny_gguf
+from tiny_models import tiny_tokenizer
 
-from cprag.backbone import gguf_reference, load_backbone
 from cprag.corpus import Document, read_corpus, split_document
 from cprag.errors import CorpusError
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tiny.gguf"
-    write_tiny_gguf(path)
-    return load_backbone(gguf_reference(path), use_cache=False)[1]
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_jsonl_with_titles_metadata_and_bad_lines(tmp_path):

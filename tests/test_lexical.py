@@ -4,17 +4,14 @@ import math
 
 import pytest
 import torch
-from tiny_models import write_tiny_gguf
+from tiny_models import tiny_tokenizer
 
-from cprag.backbone import gguf_reference, load_backbone
 from cprag.lexical import lexical_features, question_words, sentence_ids, word_ids
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lexical") / "base.gguf"
-    write_tiny_gguf(path)
-    return load_backbone(gguf_reference(path), use_cache=False)[1]
+    return tiny_tokenizer(tmp_path_factory.mktemp("lexical"))
 
 
 def test_sub_word_tokens_of_one_word_share_an_id_and_stopwords_get_none(tokenizer):

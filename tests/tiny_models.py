@@ -108,3 +108,12 @@ def write_tiny_gguf(path: Path, seed: int = 0):
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def tiny_tokenizer(directory: Path):
+    """The tokenizer of a tiny GGUF file written into `directory`, loaded as cprag loads a backbone."""
+    from cprag.backbone import gguf_reference, load_backbone
+
+    path = Path(directory) / "tiny.gguf"
+    write_tiny_gguf(path)
+    return load_backbone(gguf_reference(path), use_cache=False)[1]
