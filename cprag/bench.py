@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -119,3 +121,47 @@ def memory_figures(index) -> dict[str, float]:
     kv = kv_cache_bytes_per_token(index.model.config.backbone_config)
     return {"memory/keys_bytes_per_token": manifest["bytes_per_token"], "memory/kv_bytes_per_token": kv,
             "memory/kv_over_keys": round(kv / manifest["bytes_per_token"], 1)}
+
+
+def write_bench_report(out_dir: str | Path, figures: dict) -> list[Path]:
+    """summary.json, report.md and latency_by_k.png (ask latency per mode against k, with the prompt sizes)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
+    ks = sorted(int(key.split("@k")[1]) for key in figures if key.startswith("latency/hidden_over_visible@k"))
+    rows = "\n".join(f"| `{key}` | {value} |" for key, value in figures.items())
+    (out_dir / "report.md").write_text(
+        f"# cprag bench (one run)\n\n| figure | value |\n|---|---|\n{rows}\n\n![latency by k](latency_by_k.png)\n")
+    if not ks:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for name, label in [("visible", "visible (passages in the prompt)"), ("hidden", "hidden (keys, drafted)"),
+                        ("hidden_undrafted", "hidden, no drafting")]:
+        values = [figures[f"latency/{name}@k{k}_ms"] for k in ks]
+        ax.plot(ks, values, marker="o", label=label)
+        if name == "visible":
+            for k, value in zip(ks, values, strict=True):
+                ax.annotate(f"{figures[f'latency/visible_prompt_tokens@k{k}']:.0f} prompt tokens", (k, value),
+                            textcoords="offset points", xytext=(8, -3), fontsize=7)
+    for k in ks:
+        ratio = figures[f"latency/hidden_over_visible@k{k}"]
+        ax.annotate(f"{ratio:.2f}×", (k, figures[f"latency/hidden@k{k}_ms"]), textcoords="offset points",
+                    xytext=(4, -14), fontsize=8)
+    passages = figures.get(f"latency/passage_tokens_mean@k{ks[-1]}")
+    ax.set_xticks(ks)
+    ax.set_xlim(ks[0] - 0.5, ks[-1] + 0.3 * (ks[-1] - ks[0] + 1))
+    ax.set_xlabel("passages per question (k)" + (f", ~{passages:.0f} tokens each" if passages else ""))
+    ax.set_ylabel("ask latency, 8 new tokens (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"hidden vs visible ask latency ({figures.get('bench/device', 'cpu')})", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "latency_by_k.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return [path]

@@ -425,11 +425,12 @@ def eval_squad_command(
 @eval_app.command("bench")
 @reports_errors
 def eval_bench_command(
-    corpus: Path = typer.Option(Path("examples/corpus.jsonl"), "--corpus", help="Corpus to index and query."),
+    corpus: Path = typer.Option(Path("examples/long-corpus.jsonl"), "--corpus", help="Corpus to index and query."),
     index: Path = typer.Option(None, "--index", "-i", help="Use this index instead of building one."),
     questions: int = typer.Option(5, "--questions", help="Questions per latency figure."),
     documents: int = typer.Option(0, "--documents", help="Index a seeded sample of this many documents (0: all)."),
     seed: int = typer.Option(0, "--seed"),
+    out_dir: Path = typer.Option(None, "--out", help="Also write summary.json, report.md and latency_by_k.png here."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
 ):
@@ -437,16 +438,24 @@ def eval_bench_command(
     encoding vs bare forward throughput, and warm vs cold key-shard cache throughput.
 
     The hidden/visible ratio depends on how long the passages are (visible mode reads them all), so the figures
-    include the mean passage length; the example corpus has ~70-token passages, SQuAD paragraphs ~160.
+    include the mean passage length. The default corpus (examples/long-corpus.jsonl) has ~300-token passages, a
+    common RAG chunk size; SQuAD paragraphs are ~170 tokens and the demo corpus (examples/corpus.jsonl) ~70.
 
-    Example: cprag eval bench --json
+    Example: cprag eval bench --out eval/bench --json
+    Example: cprag eval bench --corpus examples/corpus.jsonl --json
     Example: cprag eval bench --corpus squad-v1.1-dev.json --documents 40 --json
     """
     import random
     import tempfile
 
     from cprag.api import Index
-    from cprag.bench import encode_vs_forward, latency_hidden_vs_visible, memory_figures, warm_vs_cold
+    from cprag.bench import (
+        encode_vs_forward,
+        latency_hidden_vs_visible,
+        memory_figures,
+        warm_vs_cold,
+        write_bench_report,
+    )
     from cprag.checkpoint import load_model
     from cprag.corpus import read_corpus
     from cprag.errors import ConfigError
@@ -481,6 +490,9 @@ def eval_bench_command(
         with err.status("warm vs cold key-shard cache"):
             figures.update(warm_vs_cold(opened, asked))
     figures["bench/device"] = opened.device
+    if out_dir is not None:
+        write_bench_report(out_dir, figures)
+        err.print(f"wrote {out_dir}/summary.json, report.md, latency_by_k.png")
     if as_json:
         emit_json(figures)
         return

@@ -25,7 +25,7 @@ from cprag.lexical import (
 )
 from cprag.mixture import NEG_INF
 from cprag.model import CopyMemory
-from cprag.prompt import end_of_turn_id, prompt_ids
+from cprag.prompt import end_of_turn_id, prompt_ids, visible_prompt_layout
 
 MODES = ("hidden", "visible", "closed")
 LOG_HALF = math.log(0.5)
@@ -139,6 +139,7 @@ def generate(
     draft_tokens: int = 8,
     choose: str = "token",
     whole_words: bool = True,
+    visible_keys: bool = True,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
 
@@ -148,6 +149,11 @@ def generate(
     the same word (letters or digits on both sides, no space), entry j+1 is copied next, and no "end here" entry
     may end a span inside a word. Training answers never cut a word, and a 7-digit number is 7 tokens.
 
+    In visible mode the passages are in the prompt, and with `visible_keys` the CP head copies from them as it
+    copies from hidden ones: each passage token gets a key from the prompt's own hidden states
+    (`prompt_passage_memory`), scored with the same successor bias, end entries and lexical prior, and cited.
+    Without it, only the plain own-context entries (what the visible training form trains) can be copied.
+
     A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
     and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
     the same token from the same entry, so the answer is exactly the plain greedy one, in fewer passes.
@@ -155,14 +161,22 @@ def generate(
     if choose not in ("entry", "token"):
         raise ValueError(f"choose must be 'entry' or 'token', not {choose!r}")
     window = model.config.max_position_embeddings
+    bodies, spans = [], []
     if mode == "visible":
-        prompt = _visible_prompt(tokenizer, question, passages, window - max_new_tokens)
+        bodies = [passage_tokens(tokenizer, p) for p in passages]
+        prompt, spans = visible_prompt_layout(tokenizer, question, bodies, window - max_new_tokens)
     else:
         prompt = prompt_ids(tokenizer, question)
     if len(prompt) + max_new_tokens > window:
         raise QuestionTooLong(len(prompt) + max_new_tokens, window)
-    memory, owner, position = shared_memory(passages) if mode == "hidden" else (None, None, None)
     device = next(model.parameters()).device
+    prompt_tensor = torch.tensor([prompt], device=device)
+    hidden, features, cache = model.encode_hidden(prompt_tensor, torch.ones_like(prompt_tensor), use_cache=True)
+    memory, owner, position = None, None, None
+    if mode == "hidden":
+        memory, owner, position = shared_memory(passages)
+    elif mode == "visible" and visible_keys and spans:
+        memory, owner, position = prompt_passage_memory(model, features, prompt_tensor, spans, bodies)
     continues = None  # (M,) entry m's token continues entry m - 1's word, when whole words are kept
     if memory is not None and whole_words:
         continues = inside_word(tokenizer, memory.ids[0])
@@ -178,7 +192,14 @@ def generate(
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
     last = torch.tensor([[len(prompt) - 1]], device=device)  # only the last prompt position predicts
-    out = model(torch.tensor([prompt], device=device), memory=memory, use_cache=True, query_positions=last)
+    copyable = None
+    if mode == "visible" and memory is not None:  # passage positions are copied through their memory entries only
+        copyable = torch.ones_like(prompt_tensor, dtype=torch.bool)
+        for start, kept in spans:
+            copyable[0, start - 1 : start + kept] = False
+    out = model.forward_hidden(hidden, prompt_tensor, torch.ones_like(prompt_tensor), memory, cp_features=features,
+                               query_positions=last, copyable=copyable)
+    out.context.cache = cache
     step, context = Step.at(out, -1), out.context
     tokens: list[int] = []
     sources: list[tuple[int, int] | None] = []
@@ -231,7 +252,7 @@ def generate(
         answer=tokenizer.decode(tokens, skip_special_tokens=True).strip(), token_ids=tokens, sources=sources,
         prompt_tokens=len(prompt),
     )
-    generation.citations = citations(generation, passages) if mode == "hidden" else []
+    generation.citations = citations(generation, passages) if memory is not None else []
     return generation
 
 
@@ -250,6 +271,8 @@ def _rewind(context, drop: int):
     context.keys, context.ids, context.mask = (t[:, :-drop] for t in (context.keys, context.ids, context.mask))
     if context.refine is not None:
         context.refine = context.refine[:, :-drop]
+    if context.copyable is not None:
+        context.copyable = context.copyable[:, :-drop]
     context.cache.crop(-drop)
     return context
 
@@ -268,6 +291,8 @@ def citations(generation: Generation, passages: list[DevicePassage]) -> list[Cit
     result = []
     for passage_index, first, last in spans:
         stored = passages[passage_index].passage
+        if last >= len(stored.keys.offsets):  # a passage given as text only (the needle's visible haystack)
+            continue
         start, end = int(stored.keys.offsets[first][0]), int(stored.keys.offsets[last][1])
         result.append(Citation(
             doc_id=stored.doc_id, title=stored.title, start=stored.char_start + start, end=stored.char_start + end,
@@ -276,19 +301,31 @@ def citations(generation: Generation, passages: list[DevicePassage]) -> list[Cit
     return result
 
 
-def _visible_prompt(tokenizer, question: str, passages: list[DevicePassage], budget: int) -> list[int]:
-    """The prompt with passages in it, dropping whole passages from the end (then truncating) to fit the window."""
-    texts = [p.passage.text for p in passages]
-    while True:
-        prompt = prompt_ids(tokenizer, question, texts)
-        if len(prompt) <= budget or not texts:
-            return prompt
-        if len(texts) > 1:
-            texts = texts[:-1]
-        else:
-            overflow = len(prompt) - budget
-            ids = tokenizer(texts[0], add_special_tokens=False)["input_ids"]
-            if overflow >= len(ids):
-                texts = []
-            else:
-                texts = [tokenizer.decode(ids[: len(ids) - overflow])]
+def passage_tokens(tokenizer, passage: DevicePassage) -> list[int]:
+    """A passage's tokens as its keys were encoded (its paste ids without the end), or its text tokenized when it
+    carries no keys (the needle's visible haystack)."""
+    if passage.ids.numel():
+        return passage.ids[:-1].tolist()
+    return list(tokenizer(passage.passage.text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_passage_memory(model, features: torch.Tensor, prompt: torch.Tensor, spans: list[tuple[int, int]],
+                          bodies: list[list[int]]) -> tuple[CopyMemory, torch.Tensor, torch.Tensor]:
+    """One memory over the passages of a visible prompt, keyed from the prompt's CP features (1, L, C).
+
+    A passage whose tokens t_1..t_n start at prompt position s is keyed as `document_keys` keys [BOS, t_1..t_n],
+    with the label token at s - 1 in BOS's place: entry j pastes t_{j+1}, and a whole passage's last entry pastes
+    the end. A passage cut to fit the window has no end entry.
+    """
+    keys, ids, owner, position = [], [], [], []
+    for index, (start, kept) in enumerate(spans):
+        window = slice(start - 1, start + kept)
+        encoded = model.document_keys_from_hidden(features[:, window], prompt[:, window],
+                                                  torch.ones_like(prompt[:, window]))
+        entries = kept + 1 if kept == len(bodies[index]) else kept
+        keys.append(encoded.keys[0, :entries])
+        ids.append(encoded.ids[0, :entries])
+        owner.append(torch.full((entries,), index, dtype=torch.long))
+        position.append(torch.arange(entries))
+    memory = CopyMemory(keys=torch.cat(keys).unsqueeze(0), ids=torch.cat(ids).unsqueeze(0))
+    return memory, torch.cat(owner), torch.cat(position)

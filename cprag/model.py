@@ -49,6 +49,7 @@ class ContextState:
     mask: torch.Tensor  # (B, P) bool, False on padding
     cache: object | None = None  # transformers Cache
     refine: torch.Tensor | None = None  # (B, P, R) the query refiner's input at past positions
+    copyable: torch.Tensor | None = None  # (B, P) bool, False where a position may not be copied (None: all may)
 
     @property
     def length(self) -> int:
@@ -191,16 +192,24 @@ class CopyHead(nn.Module):
 
 def context_memory(
     past: ContextState | None, keys: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-    query_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None, copyable: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ContextState]:
     """Own-context memory for T new positions after P past ones.
 
     Entry j is the key of position j and pastes the token at j + 1, so a query at absolute position t may use
     j < t only: never itself (its next token is unknown) and never a later position.
+    `copyable` (B, T) bars new positions from being copied while the backbone still attends to them (a visible
+    prompt's passages, which are copied through their memory entries instead); past positions keep theirs.
     Returns keys (B, P+T, D), paste ids (B, P+T), allowed (B, Q, P+T) and the updated state, whose keys stay
     without paste tokens because the last position's next token is not known yet. Queries are the T new
     positions, or the absolute `query_positions` (B, Q) when only some of them are needed (training).
     """
+    barred = copyable is not None or (past is not None and past.copyable is not None)
+    if barred:
+        copyable = copyable if copyable is not None else torch.ones_like(mask)
+        if past is not None:
+            copyable = torch.cat([past.copyable if past.copyable is not None else torch.ones_like(past.mask),
+                                  copyable], dim=1)
     if past is not None:
         keys = torch.cat([past.keys, keys], dim=1)
         ids = torch.cat([past.ids, ids], dim=1)
@@ -210,8 +219,8 @@ def context_memory(
     if query_positions is None:
         query_positions = torch.arange(total - new, total, device=ids.device).unsqueeze(0)  # (1, T)
     causal = torch.arange(total, device=ids.device) < query_positions.unsqueeze(-1)  # (B|1, Q, P+T)
-    allowed = causal & mask.unsqueeze(1)  # (B, Q, P+T)
-    state = ContextState(keys=keys, ids=ids, mask=mask)
+    allowed = causal & (mask & copyable if barred else mask).unsqueeze(1)  # (B, Q, P+T)
+    state = ContextState(keys=keys, ids=ids, mask=mask, copyable=copyable if barred else None)
     return keys, paste_ids, allowed, state
 
 
@@ -420,6 +429,7 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         return_log_probs: bool = True,
         query_positions: torch.Tensor | None = None,
         cp_features: torch.Tensor | None = None,
+        copyable: torch.Tensor | None = None,
     ) -> CPLMOutput:
         """Everything after the backbone, from its final hidden states (B, T, H) and the CP head's input
         `cp_features` (B, T, C), which is the final hidden state itself unless `cp_layers` are configured.
@@ -427,13 +437,13 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         `lm_stats` = (logsumexp of the LM logits (B, Q), LM logit of each target (B, Q)) replaces the (B, Q, V)
         LM logits when only the loss is needed: training on cached features never builds the vocabulary matrix.
         `query_positions` (B, Q) restricts predictions (and targets, prev_source, lm_stats) to those positions,
-        while every position still contributes its own-context key.
+        while every position still contributes its own-context key. `copyable` (B, T): see `context_memory`.
         """
         head = self.cp_head
         cp_hidden = self._cp_input(hidden if cp_features is None else cp_features)
         own_keys = head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
         ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool(),
-                                                           query_positions)
+                                                           query_positions, copyable)
         if not self.config.own_context_ends:
             allowed = allowed & (ctx_ids != self.config.end_id).unsqueeze(1)
         if self.config.copied_span_ends == "successor" and prev_source is not None:

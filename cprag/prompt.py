@@ -25,3 +25,35 @@ def end_of_turn_id(tokenizer) -> int:
     """The token that closes the assistant's answer (`<|im_end|>` for SmolLM2)."""
     token = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return token if isinstance(token, int) and token != tokenizer.unk_token_id else tokenizer.eos_token_id
+
+
+def visible_prompt_layout(tokenizer, question: str, passages: list[list[int]], budget: int,
+                          ) -> tuple[list[int], list[tuple[int, int]]]:
+    """The visible prompt built around the passages' own token ids (as they were tokenized for their keys), so
+    every passage token sits at a known prompt position. Whole passages are dropped from the end, then the last
+    one is cut, until the prompt fits `budget` tokens.
+
+    Returns the prompt ids and, per passage kept, (prompt position of its first token, tokens kept).
+    """
+    marker = "\u2063cprag-passages\u2063"
+    template = tokenizer.apply_chat_template(_messages(marker, None), tokenize=False, add_generation_prompt=True)
+    before, after = template.split(marker)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    head, tail = encode(before), encode(f"\n\nQuestion: {question}{after}")
+    labels = [encode(("\n\n" if i else "") + f"Passage {i + 1}:\n") for i in range(len(passages))]
+    bodies = list(passages)
+    while bodies and len(head) + len(tail) + sum(map(len, labels[: len(bodies)])) + sum(map(len, bodies)) > budget:
+        if len(bodies) > 1:
+            bodies.pop()
+            continue
+        room = budget - len(head) - len(tail) - len(labels[0])
+        bodies = [bodies[0][:room]] if room > 0 else []
+    prompt, spans = list(head), []
+    for label, body in zip(labels[: len(bodies)], bodies, strict=True):
+        prompt += label
+        spans.append((len(prompt), len(body)))
+        prompt += body
+    return prompt + tail, spans

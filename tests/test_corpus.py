@@ -1,6 +1,7 @@
 """Corpus readers and passage splitting, bad files included."""
 
 import json
+from pathlib import Path
 
 import pytest
 from tiny_models import tiny_tokenizer
@@ -74,3 +75,16 @@ def test_long_documents_split_into_fitting_passages_with_exact_offsets(tokenizer
         assert text[passage.char_start : passage.char_start + len(passage.text)] == passage.text
     assert "".join(p.text for p in passages) == text  # nothing lost or repeated
     assert split_document(Document(id="s", text="Short."), tokenizer, 100)[0].passage_id == "s"
+
+
+@pytest.mark.parametrize("name, min_words, max_words", [("corpus.jsonl", 20, 120), ("long-corpus.jsonl", 200, 280)])
+def test_shipped_corpora_read_cleanly_at_their_stated_sizes(name, min_words, max_words):
+    """The demo corpus holds short facts; the bench's default corpus holds RAG-sized passages (~300 tokens, one
+    passage per document at the indexer's 384-token limit), which the bench's latency ratio depends on."""
+    corpus = read_corpus(Path(__file__).parents[1] / "examples" / name)
+    assert not corpus.skipped
+    assert len(corpus.documents) >= 10  # the bench asks at k = 10
+    assert len({d.id for d in corpus.documents}) == len(corpus.documents)
+    for document in corpus.documents:
+        assert document.title
+        assert min_words <= len(document.text.split()) <= max_words, document.id

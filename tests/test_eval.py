@@ -95,9 +95,13 @@ def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
     assert (tmp_path / "needle" / "needle_heatmap.png").stat().st_size > 1000
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     bench = runner.invoke(app, ["eval", "bench", "--corpus", str(corpus), "--documents", str(len(DOCS)),
-                                "--questions", "2", "--checkpoint", str(checkpoint), "--json"])
+                                "--questions", "2", "--out", str(tmp_path / "bench"), "--checkpoint", str(checkpoint),
+                                "--json"])
     assert bench.exit_code == 0, bench.output
     figures = json.loads(bench.stdout)
+    assert json.loads((tmp_path / "bench" / "summary.json").read_text()) == figures
+    assert (tmp_path / "bench" / "latency_by_k.png").stat().st_size > 1000
+    assert "latency/hidden_over_visible@k5" in (tmp_path / "bench" / "report.md").read_text()
     for key in ("memory/keys_bytes_per_token", "memory/kv_bytes_per_token", "latency/hidden_over_visible@k5",
                 "index/throughput_over_forward", "reuse/warm_over_cold_qps"):
         assert figures[key] > 0

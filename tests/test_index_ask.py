@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from tiny_models import write_tiny_gguf
+from tiny_models import tiny_tokenizer, write_tiny_gguf
 from typer.testing import CliRunner
 
 from cprag.api import Index
@@ -169,13 +169,19 @@ def test_an_index_built_by_another_model_is_refused_and_left_intact(tmp_path, ch
     assert stored_rows(tmp_path / "idx") == before
 
 
-def test_citation_spans_equal_the_copied_text(tmp_path, copying_checkpoint, embedder):
+@pytest.mark.parametrize("mode", ["hidden", "visible"])
+def test_citation_spans_equal_the_copied_text(tmp_path, copying_checkpoint, embedder, mode):
+    """Hidden mode copies from stored keys; visible mode from keys of the passages in its prompt. Both cite."""
     index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", copying_checkpoint, embedder)
     index = Index(tmp_path / "idx", checkpoint=copying_checkpoint)
     hits = index.retrieve(["When was the lighthouse built?"], 2)[0]
     passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
-    generation = generate(index.model, index.tokenizer, "When was the lighthouse built?", passages,
+    generation = generate(index.model, index.tokenizer, "When was the lighthouse built?", passages, mode,
                           max_new_tokens=12)
+    if mode == "visible":  # without prompt keys only own-context entries remain, and they cite nothing
+        plain = generate(index.model, index.tokenizer, "When was the lighthouse built?", passages, mode,
+                         max_new_tokens=12, visible_keys=False)
+        assert not plain.citations and not any(plain.sources)
     copied = [(t, s) for t, s in zip(generation.token_ids, generation.sources, strict=True) if s is not None]
     assert copied and generation.citations
     for token, (passage, position) in copied:  # every copied token is the stored token it points at
@@ -193,6 +199,27 @@ def test_citation_spans_equal_the_copied_text(tmp_path, copying_checkpoint, embe
         document = next(d for d in DOCS if d["id"] == citation.doc_id)
         assert citation.text == document["text"][citation.start : citation.end]
         assert index.tokenizer.decode(tokens).strip() == citation.text.strip()
+
+
+def test_the_visible_prompt_holds_each_passage_at_its_span_and_fits_its_budget(tmp_path):
+    from cprag.prompt import prompt_ids, visible_prompt_layout
+
+    tokenizer = tiny_tokenizer(tmp_path)
+    bodies = [tokenizer(d["text"], add_special_tokens=False)["input_ids"] for d in DOCS[:3]]
+    prompt, spans = visible_prompt_layout(tokenizer, "When?", bodies, budget=10_000)
+    assert len(spans) == 3
+    for (start, kept), body in zip(spans, bodies, strict=True):
+        assert kept == len(body) and prompt[start : start + kept] == body
+    text = tokenizer.decode(prompt)
+    assert text.index("Passage 1:") < text.index("Passage 3:") < text.index("Question: When?")
+    assert prompt[:3] == prompt_ids(tokenizer, "When?")[:3]  # the same chat template around it
+    question_only = len(visible_prompt_layout(tokenizer, "When?", [], 10_000)[0])
+    for budget in (len(prompt) - 1, question_only + len(bodies[0]) // 2):
+        cut, cut_spans = visible_prompt_layout(tokenizer, "When?", bodies, budget)
+        assert len(cut) <= budget and cut_spans
+        start, kept = cut_spans[-1]
+        assert cut[start : start + kept] == bodies[len(cut_spans) - 1][:kept]
+    assert visible_prompt_layout(tokenizer, "When?", bodies, question_only)[1] == []
 
 
 def test_key_shards_are_reused_across_questions_and_evicted_lru(tmp_path, checkpoint, embedder):
