@@ -1,7 +1,7 @@
 """Greedy decoding in three modes, with every copied token traced to its source passage and characters.
 
 - hidden:  the backbone reads the question only; passages are present as CP keys (external memory).
-- visible: the passages are in the prompt; the CP head copies from the model's own context.
+- visible: the passages are in the prompt; the CP head copies from keys of their prompt positions.
 - closed:  the question alone, no passages.
 """
 
