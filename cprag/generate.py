@@ -163,7 +163,7 @@ def generate(
     window = model.config.max_position_embeddings
     bodies, spans = [], []
     if mode == "visible":
-        bodies = [passage_tokens(tokenizer, p) for p in passages]
+        bodies = [p.ids[:-1].tolist() for p in passages]  # paste ids: the passage's tokens, then the end
         prompt, spans = visible_prompt_layout(tokenizer, question, bodies, window - max_new_tokens)
     else:
         prompt = prompt_ids(tokenizer, question)
@@ -291,7 +291,7 @@ def citations(generation: Generation, passages: list[DevicePassage]) -> list[Cit
     result = []
     for passage_index, first, last in spans:
         stored = passages[passage_index].passage
-        if last >= len(stored.keys.offsets):  # a passage given as text only (the needle's visible haystack)
+        if last >= len(stored.keys.offsets):  # a passage without offsets (the needle's visible haystack)
             continue
         start, end = int(stored.keys.offsets[first][0]), int(stored.keys.offsets[last][1])
         result.append(Citation(
@@ -299,14 +299,6 @@ def citations(generation: Generation, passages: list[DevicePassage]) -> list[Cit
             text=stored.text[start:end],
         ))
     return result
-
-
-def passage_tokens(tokenizer, passage: DevicePassage) -> list[int]:
-    """A passage's tokens as its keys were encoded (its paste ids without the end), or its text tokenized when it
-    carries no keys (the needle's visible haystack)."""
-    if passage.ids.numel():
-        return passage.ids[:-1].tolist()
-    return list(tokenizer(passage.passage.text, add_special_tokens=False)["input_ids"])
 
 
 def prompt_passage_memory(model, features: torch.Tensor, prompt: torch.Tensor, spans: list[tuple[int, int]],

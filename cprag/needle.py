@@ -128,13 +128,14 @@ class HaystackKeys:
         return DevicePassage.from_stored(stored, self.device, self.dtype)
 
 
-def visible_passage(tokenizer, haystack: Haystack, window: int, reserve: int) -> list[DevicePassage]:
-    """The haystack as one prompt passage, truncated from the end so the prompt fits the window."""
+def visible_passage(tokenizer, haystack: Haystack, window: int, reserve: int, end_id: int) -> list[DevicePassage]:
+    """The haystack as one prompt passage of token ids (pasting `end_id` last, as stored passages do), truncated
+    from the end so the prompt fits the window. It has no keys: visible mode keys it from the prompt."""
     budget = window - reserve - len(prompt_ids(tokenizer, QUESTION, ["x"]))
     ids = [t for block in haystack.blocks for t in block][: max(budget, 0)]
     stored = StoredPassage(passage_id="haystack", doc_id="haystack", title="haystack", text=tokenizer.decode(ids),
                            char_start=0, keys=PassageKeys(np.zeros((0, 1)), np.zeros(0), np.zeros((0, 2))))
-    return [DevicePassage(passage=stored, keys=torch.zeros(0, 1), ids=torch.zeros(0, dtype=torch.long))]
+    return [DevicePassage(passage=stored, keys=torch.zeros(0, 1), ids=torch.tensor(ids + [end_id]))]
 
 
 def run_needle(model, tokenizer, lengths: list[int], depths: list[float], trials: int, modes: list[str],
@@ -156,7 +157,7 @@ def run_needle(model, tokenizer, lengths: list[int], depths: list[float], trials
                     if mode == "hidden":
                         passages = keys.passages(haystack)
                     else:
-                        passages = visible_passage(tokenizer, haystack, window, reserve=16)
+                        passages = visible_passage(tokenizer, haystack, window, reserve=16, end_id=model.config.end_id)
                     answer = generate(model, tokenizer, QUESTION, passages, mode, max_new_tokens=12).answer
                     result = {"mode": mode, "length": length, "depth": depth, "trial": trial, "number": number,
                               "answer": answer, "correct": number in answer.replace(",", "").split()

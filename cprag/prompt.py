@@ -27,11 +27,12 @@ def end_of_turn_id(tokenizer) -> int:
     return token if isinstance(token, int) and token != tokenizer.unk_token_id else tokenizer.eos_token_id
 
 
-def visible_prompt_layout(tokenizer, question: str, passages: list[list[int]], budget: int,
+def visible_prompt_layout(tokenizer, question: str, passages: list[list[int]], budget: int | None = None,
                           ) -> tuple[list[int], list[tuple[int, int]]]:
     """The visible prompt built around the passages' own token ids (as they were tokenized for their keys), so
     every passage token sits at a known prompt position. Whole passages are dropped from the end, then the last
-    one is cut, until the prompt fits `budget` tokens.
+    one is cut, until the prompt fits `budget` tokens (None: no limit). Decoding and the visible training form
+    both build their prompts here.
 
     Returns the prompt ids and, per passage kept, (prompt position of its first token, tokens kept).
     """
@@ -45,7 +46,11 @@ def visible_prompt_layout(tokenizer, question: str, passages: list[list[int]], b
     head, tail = encode(before), encode(f"\n\nQuestion: {question}{after}")
     labels = [encode(("\n\n" if i else "") + f"Passage {i + 1}:\n") for i in range(len(passages))]
     bodies = list(passages)
-    while bodies and len(head) + len(tail) + sum(map(len, labels[: len(bodies)])) + sum(map(len, bodies)) > budget:
+
+    def length() -> int:
+        return len(head) + len(tail) + sum(map(len, labels[: len(bodies)])) + sum(map(len, bodies))
+
+    while budget is not None and bodies and length() > budget:
         if len(bodies) > 1:
             bodies.pop()
             continue

@@ -28,7 +28,7 @@ from cprag.lexical import (
     word_ids,
 )
 from cprag.model import CopyMemory
-from cprag.prompt import prompt_ids
+from cprag.prompt import prompt_ids, visible_prompt_layout
 from cprag.squad import article_of
 from cprag.train_config import TrainConfig
 
@@ -159,7 +159,7 @@ def make_visible_batch(questions: list[QuestionFeatures], question_text: dict[st
         others = [p for p in distractor_pool[q.passage_id] if p != q.passage_id]
         chosen = rng.sample(others, min(distractors, len(others)))
         chosen.insert(rng.randrange(len(chosen) + 1), q.passage_id)
-        prompt = prompt_ids(tokenizer, question_text[q.qid], [tokenizer.decode(passages[p].ids) for p in chosen])
+        prompt = visible_prompt_layout(tokenizer, question_text[q.qid], [passages[p].ids.tolist() for p in chosen])[0]
         sequences.append(torch.tensor(prompt + q.targets[:-1].tolist()))
         n = len(q.targets)
         query_positions[row, :n] = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
