@@ -24,6 +24,10 @@ class Answer:
     citations: list[Citation]
     passages: list[dict]  # {"doc_id", "passage_id", "score"} in retrieval order
     copy_rate: float
+    # the copy path's probability of the first answer token (None in closed mode); below the threshold the
+    # answer is withheld and `no_answer` says the passages hold no answer
+    confidence: float | None = None
+    no_answer: bool = False
     timings_ms: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -67,9 +71,15 @@ class Index:
             raise TooFewPassages(k, len(self))
         return self.passage_index.search(self.embedder.embed(questions), k)
 
-    def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32) -> Answer:
+    def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
+            min_confidence: float | None = None) -> Answer:
+        """Answer from the k retrieved passages; answers below `min_confidence` (default: the checkpoint's,
+        tuned on SQuAD 2.0) are withheld as "no answer"."""
         if mode not in MODES:
             raise ConfigError("--mode", mode, f"expected one of {', '.join(MODES)}")
+        threshold = self.model.config.min_confidence if min_confidence is None else min_confidence
+        if not 0.0 <= threshold <= 1.0:
+            raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
         timings = {}
         tick = time.perf_counter()
         hits = self.retrieve([question], k)[0] if mode != "closed" else []
@@ -78,7 +88,8 @@ class Index:
         passages = self.cache.get([h.passage_id for h in hits], self.store.fetch)
         timings["load_keys"] = (time.perf_counter() - tick) * 1000
         tick = time.perf_counter()
-        generation = generate(self.model, self.tokenizer, question, passages, mode, max_new_tokens)
+        generation = generate(self.model, self.tokenizer, question, passages, mode, max_new_tokens,
+                              min_confidence=threshold)
         timings["generate"] = (time.perf_counter() - tick) * 1000
         timings["total"] = sum(timings.values())
         return Answer(
@@ -86,7 +97,8 @@ class Index:
             passages=[{"doc_id": p.passage.doc_id, "passage_id": h.passage_id, "score": round(h.score, 4)}
                       for p, h in zip(passages, hits, strict=True)],
             copy_rate=round(generation.copy_rate, 3),
-            timings_ms={name: round(ms, 1) for name, ms in timings.items()},
+            confidence=None if generation.confidence is None else round(generation.confidence, 4),
+            no_answer=generation.no_answer, timings_ms={name: round(ms, 1) for name, ms in timings.items()},
         )
 
 

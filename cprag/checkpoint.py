@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from cprag.adapters import merge
 from cprag.backbone import BaseReference, default_reference, load_backbone
 from cprag.config import CPLMConfig
 from cprag.errors import CheckpointError
@@ -88,8 +89,9 @@ HEAD_SEED = 0
 
 
 def load_model(path: str | Path | None = None, device: str | None = None):
-    """(model, tokenizer) for a checkpoint directory; with no path, the shipped default checkpoint, or a fresh
-    CP head (seeded, so every process builds the same one) on the default backbone when none ships yet."""
+    """(model, tokenizer) for inference from a checkpoint directory; with no path, the shipped default checkpoint,
+    or a fresh CP head (seeded, so every process builds the same one) on the default backbone when none ships
+    yet. Adapters are merged into the backbone weights (see cprag.adapters.merge)."""
     from cprag.model import CPLMForCausalLM
 
     if path is None and (DEFAULT_CHECKPOINT / "config.json").is_file():
@@ -102,6 +104,8 @@ def load_model(path: str | Path | None = None, device: str | None = None):
             raise CheckpointError(str(path), "no config.json: not a CPLM checkpoint directory")
         model = CPLMForCausalLM.from_pretrained(path)
         tokenizer = load_tokenizer(model)
+    if model.adapters is not None:
+        merge(model.backbone, model.adapters)  # inference: no extra matmuls per step; stored tensors unchanged
     if device is not None:
         model = model.to(device)
     return model.eval(), tokenizer

@@ -200,11 +200,15 @@ def ask_command(
     closed: bool = typer.Option(False, "--closed", help="Baseline: no passages at all."),
     questions: Path = typer.Option(None, "--questions", help="File of questions: one per line, or JSONL."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers whose confidence (the "
+                                         "copy path's probability of the first answer token) is below this "
+                                         "(default: the checkpoint's, tuned on SQuAD 2.0; 0 always answers)."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     as_json: bool = JSON_OPTION,
 ):
     """Answer from hidden documents: retrieve k passages, load their keys, and let the CP head copy the answer.
+    When the passages hold no answer it says so, and still lists the passages it read.
 
     Example: cprag ask "When was the lighthouse at Varna Point built?" --index indexes/demo
     """
@@ -220,7 +224,7 @@ def ask_command(
     with err.status("loading the model and the index"):
         opened = Index(index, checkpoint=checkpoint, device=device)
     for item in batch:
-        answer = opened.ask(item, k=k, mode=mode, max_new_tokens=max_new_tokens)
+        answer = opened.ask(item, k=k, mode=mode, max_new_tokens=max_new_tokens, min_confidence=min_confidence)
         if as_json:
             emit_json(answer.to_json())
         else:
@@ -234,7 +238,12 @@ def render_answer(answer, opened) -> None:
     from rich.panel import Panel
     from rich.text import Text
 
-    out.print(Panel(Text(answer.answer or "(no answer)", style="bold"), title=answer.question, subtitle=answer.mode))
+    if answer.no_answer:
+        text = Text("The passages hold no answer to this question.", style="bold yellow")
+    else:
+        text = Text(answer.answer or "(empty answer)", style="bold")
+    confidence = "" if answer.confidence is None else f" · confidence {answer.confidence:.2f}"
+    out.print(Panel(text, title=answer.question, subtitle=f"{answer.mode}{confidence}"))
     passages = {entry.passage.passage_id: entry.passage for entry in opened.cache.entries.values()}
     cited: dict[str, list] = {}
     for citation in answer.citations:
@@ -252,6 +261,8 @@ def render_answer(answer, opened) -> None:
         out.print(Panel(text, title=f"[{number}] {stored.doc_id}: {stored.title}", subtitle=f"copied chars {spans}",
                         title_align="left"))
     retrieved = ", ".join(f"{p['doc_id']} ({p['score']:.2f})" for p in answer.passages)
+    if answer.no_answer:
+        retrieved = "read " + retrieved
     timings = ", ".join(f"{name} {ms:.0f} ms" for name, ms in answer.timings_ms.items())
     out.print(f"copy rate {answer.copy_rate:.0%} · passages: {retrieved or 'none'}\n{timings}", highlight=False)
 
@@ -296,35 +307,67 @@ def info_command(index: Path = INDEX_OPTION, as_json: bool = JSON_OPTION):
     out.print(table)
 
 
+def parse_layers(value: str) -> list[int]:
+    """'24-29', '24,26,28' or 'none' -> block indices."""
+    from cprag.errors import ConfigError
+
+    if value.strip().lower() in {"", "none"}:
+        return []
+    try:
+        layers: list[int] = []
+        for part in value.split(","):
+            first, _, last = part.strip().partition("-")
+            layers += list(range(int(first), int(last or first) + 1))
+        return layers
+    except ValueError:
+        raise ConfigError("--adapter-layers", value, "expected block indices like 24-29, 24,26,28 or none") from None
+
+
 @app.command("train")
 @reports_errors
 def train_command(
-    data: Path = typer.Argument(..., help="SQuAD-format JSON (for example ../shared/data/squad-v1.1-dev-public.json)."),
+    data: Path = typer.Argument(..., help="SQuAD-format training JSON (e.g. ../shared/data/squad-v1.1-train.json)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Checkpoint directory to write (resumes if interrupted)."),
+    validation: Path = typer.Option(None, "--validation", help="SQuAD-format validation JSON (default: hold out "
+                                    "20% of the training file's articles)."),
     epochs: float = typer.Option(TRAIN_DEFAULTS.epochs, "--epochs"),
+    max_steps: int = typer.Option(None, "--max-steps", help="Stop after this many steps."),
+    max_questions: int = typer.Option(None, "--max-questions", help="Train on a seeded sample of N questions."),
     lr: float = typer.Option(TRAIN_DEFAULTS.lr, "--lr"),
+    adapter_lr: float = typer.Option(TRAIN_DEFAULTS.adapter_lr, "--adapter-lr"),
+    adapter_layers: str = typer.Option("24-29", "--adapter-layers", help="Backbone blocks with low-rank "
+                                       "adapters trained through the CP path ('none': a frozen backbone)."),
+    adapter_rank: int = typer.Option(16, "--adapter-rank"),
     batch_size: int = typer.Option(TRAIN_DEFAULTS.batch_size, "--batch-size"),
     distractors: int = typer.Option(TRAIN_DEFAULTS.distractors, "--distractors", help="Other passages in memory."),
     end_weight: float = typer.Option(TRAIN_DEFAULTS.end_weight, "--end-weight", help="Loss weight of the end."),
+    no_answer_fraction: float = typer.Option(TRAIN_DEFAULTS.no_answer_fraction, "--no-answer-fraction",
+                                             help="Share of questions asked without their passage (stop at once)."),
+    visible_every: int = typer.Option(TRAIN_DEFAULTS.visible_every, "--visible-every", help="Every N steps also "
+                                      "train --visible-batch questions in the visible form (0: never)."),
+    visible_batch: int = typer.Option(TRAIN_DEFAULTS.visible_batch, "--visible-batch"),
+    dtype: str = typer.Option(TRAIN_DEFAULTS.dtype, "--dtype", help="bfloat16 (autocast) or float32."),
     seed: int = typer.Option(TRAIN_DEFAULTS.seed, "--seed"),
-    form: str = typer.Option(TRAIN_DEFAULTS.form, "--form", help="hidden (passages as keys) or visible "
-                             "(passages in the prompt; the backbone runs every batch, slow on CPU)."),
-    validation_questions: int = typer.Option(300, "--validation-questions"),
+    validation_questions: int = typer.Option(1000, "--validation-questions", help="Questions decoded to validate."),
     modes: str = typer.Option("hidden", "--modes", help="Validation modes: hidden,visible,closed."),
     as_json: bool = JSON_OPTION,
 ):
-    """Train the CP head for hidden-document QA on cached backbone features, validate on held-out articles.
+    """Train the CPLM for hidden-document QA: the CP head and adapters on the top backbone blocks, on cached
+    activations of the frozen blocks below them; validate, and write a checkpoint.
 
-    Example: cprag train ../shared/data/squad-v1.1-dev-public.json --out checkpoints/mine
+    Example: cprag train ../shared/data/squad-v1.1-train.json --validation DEV.json --out checkpoints/mine
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from dataclasses import replace
 
     from cprag.recipe import train_checkpoint
 
-    config = TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, distractors=distractors,
-                         end_weight=end_weight, seed=seed, form=form)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=as_json) as progress:
+    head = {**TRAIN_DEFAULTS.head, "adapter_layers": parse_layers(adapter_layers) or None,
+            "adapter_rank": adapter_rank}
+    config = replace(TRAIN_DEFAULTS, epochs=epochs, max_steps=max_steps, max_questions=max_questions, lr=lr,
+                     adapter_lr=adapter_lr, batch_size=batch_size, distractors=distractors, end_weight=end_weight,
+                     no_answer_fraction=no_answer_fraction, visible_every=visible_every,
+                     visible_batch=visible_batch, dtype=dtype, seed=seed, head=head)
+    with _progress_bar(as_json) as progress:
         tasks: dict[str, int] = {}
 
         def on_progress(stage: str, done: int, total: int) -> None:
@@ -332,7 +375,8 @@ def train_command(
                 tasks[stage] = progress.add_task(stage, total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
-        metrics = train_checkpoint(data, out_dir, config, validation_questions=validation_questions,
+        metrics = train_checkpoint(data, out_dir, config, validation_path=validation,
+                                   validation_questions=validation_questions,
                                    validation_modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
                                    on_progress=on_progress)
     if as_json:
@@ -357,6 +401,26 @@ def _progress_bar(transient: bool):
     return Progress(*columns, console=err, transient=transient)
 
 
+def _answers_streamed(out_dir: Path, as_json: bool, run):
+    """Run `run(on_progress, on_result)` under a progress bar, streaming each answer to OUT/results.jsonl as it
+    comes (a long run can be followed and is not lost). Returns what `run` returns."""
+    from dataclasses import asdict
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _progress_bar(as_json) as progress, open(out_dir / "results.jsonl", "w") as stream:
+        task = progress.add_task("answering", total=None)
+
+        def streamed(result) -> None:
+            stream.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
+            stream.flush()
+
+        return run(lambda done, total: progress.update(task, completed=done, total=total), streamed)
+
+
+MIN_CONFIDENCE_EVAL = typer.Option(0.0, "--min-confidence", help="Withhold answers below this confidence (default "
+                                   "0: always answer, as every SQuAD v1.1 question has an answer).")
+
+
 @eval_app.command("squad")
 @reports_errors
 def eval_squad_command(
@@ -370,17 +434,16 @@ def eval_squad_command(
     k: int = typer.Option(5, "-k", help="Passages retrieved per question (with --index)."),
     held_out: bool = typer.Option(False, "--held-out", help="Only questions of the articles the checkpoint's "
                                   "training held out (named in its train_config.json)."),
+    min_confidence: float = MIN_CONFIDENCE_EVAL,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
 ):
     """Answer SQuAD questions in every mode with one checkpoint; write results, summary, report and plots.
 
-    Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 300 --out eval/runs/squad
-    Example: cprag eval squad DATA --oracle --held-out --limit 300 --out eval/squad-heldout
+    Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 1000 --out eval/runs/sq
+    Example: cprag eval squad DATA --index indexes/squad --limit 300 --out eval/runs/squad-retrieved
     """
-    from dataclasses import asdict
-
     from cprag.checkpoint import held_out_articles
     from cprag.errors import ConfigError
     from cprag.evaluate import SquadEvalConfig, evaluate_squad, write_squad_report
@@ -388,7 +451,7 @@ def eval_squad_command(
     if (index is None) == (not oracle):
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
-                             limit=limit, seed=seed, k=k,
+                             limit=limit, seed=seed, k=k, min_confidence=min_confidence,
                              articles=tuple(held_out_articles(checkpoint)) if held_out else None)
     with err.status("loading the model"):
         if index is not None:
@@ -401,17 +464,8 @@ def eval_squad_command(
 
             opened = None
             model, tokenizer = load_model(checkpoint)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _progress_bar(as_json) as progress, open(out_dir / "results.jsonl", "w") as stream:
-        task = progress.add_task("answering", total=None)
-
-        def streamed(result) -> None:
-            stream.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
-            stream.flush()
-
-        summary, results = evaluate_squad(data, config, model, tokenizer, opened,
-                                          lambda done, total: progress.update(task, completed=done, total=total),
-                                          streamed)
+    summary, results = _answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
+        data, config, model, tokenizer, opened, progress, result))
     split = ", held-out articles" if held_out else ""
     write_squad_report(out_dir, summary, results,
                        f"SQuAD ({summary['eval/source']}{split}, {summary['eval/questions']} q)")
@@ -420,6 +474,49 @@ def eval_squad_command(
         return
     out.print((out_dir / "report.md").read_text().split("![")[0], highlight=False)
     err.print(f"wrote {out_dir}/results.jsonl, summary.json, report.md, f1_by_mode.png, latency_by_mode.png")
+
+
+@eval_app.command("squad2")
+@reports_errors
+def eval_squad2_command(
+    data: Path = typer.Argument(..., help="SQuAD 2.0 JSON (questions marked is_impossible have no answer)."),
+    oracle: bool = typer.Option(True, "--oracle", help="Each question's own paragraph plus 4 distractors "
+                                "(the memory squad2 uses; kept for the same flags as eval squad)."),
+    modes: str = typer.Option("hidden", "--modes", help="Comma-separated: hidden,visible,closed."),
+    limit: int = typer.Option(None, "--limit", help="A seeded random sample of N questions."),
+    seed: int = typer.Option(0, "--seed"),
+    min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers below this confidence "
+                                         "(default: the checkpoint's)."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plot go."),
+    checkpoint: Path = CHECKPOINT_OPTION,
+    as_json: bool = JSON_OPTION,
+):
+    """Abstention on SQuAD 2.0: HasAns EM/F1, NoAns accuracy, overall EM/F1 (official rules) and the best
+    threshold, with answers below the confidence threshold withheld.
+
+    Example: cprag eval squad2 ../shared/data/squad-v2.0-dev-public.json --limit 1000 --out eval/squad2
+    """
+    from cprag.checkpoint import load_model
+    from cprag.errors import ConfigError
+    from cprag.evaluate import SquadEvalConfig
+    from cprag.squad2 import evaluate_squad2, write_squad2_report
+
+    if not oracle:
+        raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
+    config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed)
+    with err.status("loading the model"):
+        model, tokenizer = load_model(checkpoint)
+    threshold = model.config.min_confidence if min_confidence is None else min_confidence
+    if not 0.0 <= threshold <= 1.0:
+        raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
+    summary, results = _answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad2(
+        data, config, model, tokenizer, threshold, progress, result))
+    write_squad2_report(out_dir, summary, results, f"SQuAD 2.0 (oracle, {summary['eval/questions']} q)")
+    if as_json:
+        emit_json(summary)
+        return
+    out.print((out_dir / "report.md").read_text().split("![")[0], highlight=False)
+    err.print(f"wrote {out_dir}/results.jsonl, summary.json, report.md, abstention.png")
 
 
 @eval_app.command("bench")

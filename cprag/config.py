@@ -6,6 +6,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
+from cprag.adapters import ALL_MODULES
 from cprag.errors import ConfigError
 from cprag.lexical import DEFAULT_WINDOW
 
@@ -61,6 +62,15 @@ class CPLMConfig(PreTrainedConfig):
     # may end it. Own-context ends (the end of the question) and far-away twins know nothing of the span, so they
     # cut a 7-digit number after a few digits.
     copied_span_ends: str = "anywhere"
+    # low-rank adapters on these backbone layers (0-based block indices), trained through the CP path; the keys
+    # an index stores come from the adapted backbone, and the adapters are part of the model fingerprint
+    adapter_layers: list[int] | None = None
+    adapter_rank: int = 16
+    adapter_alpha: float = 32.0
+    adapter_modules: list[str] | None = None  # default: every linear layer of the block
+    # answers whose confidence (the copy path's probability of the first answer token) is below this are withheld
+    # as "no answer"; tuned on SQuAD 2.0 after training, and not part of the model fingerprint
+    min_confidence: float = 0.0
     end_token_id: int | None = None
     base_model: dict | None = None
     trained_backbone_params: list[str] | None = None
@@ -87,6 +97,17 @@ class CPLMConfig(PreTrainedConfig):
             raise ConfigError("copied_span_ends", self.copied_span_ends, "must be 'anywhere' or 'successor'")
         if self.doc_lookahead < 0:
             raise ConfigError("doc_lookahead", self.doc_lookahead, "must be >= 0")
+        if self.adapter_layers:
+            if layers is not None and not all(0 <= i < layers for i in self.adapter_layers):
+                raise ConfigError("adapter_layers", self.adapter_layers, f"each index must be in 0..{layers - 1}")
+            if self.adapter_rank < 1:
+                raise ConfigError("adapter_rank", self.adapter_rank, "must be a positive integer")
+            unknown = set(self.adapter_modules or []) - set(ALL_MODULES)
+            if unknown:
+                raise ConfigError("adapter_modules", self.adapter_modules, f"unknown {sorted(unknown)}; "
+                                  f"expected some of {', '.join(ALL_MODULES)}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ConfigError("min_confidence", self.min_confidence, "must be a probability in [0, 1]")
         if self.base_model is not None:
             missing = {"kind", "file", "sha256"} - set(self.base_model)
             if missing:
@@ -101,6 +122,15 @@ class CPLMConfig(PreTrainedConfig):
             return self.end_token_id
         eos = self.backbone_config.eos_token_id
         return eos[0] if isinstance(eos, list) else eos
+
+    @property
+    def adapted_modules(self) -> list[str]:
+        return list(self.adapter_modules or ALL_MODULES)
+
+    @property
+    def first_trained_layer(self) -> int:
+        """The first backbone block whose output training can change (the number of blocks when none)."""
+        return min(self.adapter_layers) if self.adapter_layers else self.backbone_config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:

@@ -32,10 +32,12 @@ def tokenize_passage(tokenizer, text: str) -> TokenizedPassage:
     return TokenizedPassage(ids=list(encoded["input_ids"]), offsets=[tuple(o) for o in encoded["offset_mapping"]])
 
 
-def length_batches(passages: list[TokenizedPassage], bos_id: int, max_tokens: int = 4096):
-    """Yield (indices, input_ids, attention_mask): [BOS] + tokens, right padded, longest first, each batch at most
-    `max_tokens` padded tokens. Key encoding and the bare-forward benchmark use exactly these batches."""
-    lengths = [len(p.ids) + 1 for p in passages]
+def length_batches(passages: list[TokenizedPassage], bos_id: int, max_tokens: int = 4096, prefix: bool = True):
+    """Yield (indices, input_ids, attention_mask): [BOS] + tokens (or the tokens alone, `prefix=False`), right
+    padded with BOS, longest first, each batch at most `max_tokens` padded tokens. Key encoding, the activation
+    cache and the bare-forward benchmark use exactly these batches."""
+    first = int(prefix)
+    lengths = [len(p.ids) + first for p in passages]
     order = sorted(range(len(passages)), key=lambda i: -lengths[i])
     batch: list[int] = []
     for index in order + [None]:
@@ -47,7 +49,7 @@ def length_batches(passages: list[TokenizedPassage], bos_id: int, max_tokens: in
             input_ids = torch.full((len(batch), width), bos_id, dtype=torch.long)
             attention = torch.zeros((len(batch), width), dtype=torch.long)
             for row, i in enumerate(batch):
-                input_ids[row, 1 : lengths[i]] = torch.tensor(passages[i].ids, dtype=torch.long)
+                input_ids[row, first : lengths[i]] = torch.tensor(passages[i].ids, dtype=torch.long)
                 attention[row, : lengths[i]] = 1
             yield batch, input_ids, attention
         batch = [index] if index is not None else []

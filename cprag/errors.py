@@ -81,3 +81,11 @@ class TooFewPassages(CpragError):
     def __init__(self, k: int, available: int):
         self.k, self.available = k, available
         super().__init__(f"-k {k} asks for more passages than the index holds ({available})")
+
+
+class CacheMismatch(CpragError):
+    """An activation cache folder holds something other than what a build or a reader expects."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"activation cache {path}: {reason}")

@@ -14,7 +14,7 @@ import numpy as np
 
 from cprag.errors import ConfigError
 from cprag.generate import MODES
-from cprag.metrics import best_over_references, exact_match, f1
+from cprag.metrics import squad2_question_scores
 from cprag.qa_eval import QAResult, evaluate_oracle, summarize
 from cprag.squad import read_squad
 
@@ -28,6 +28,7 @@ class SquadEvalConfig:
     distractors: int = 4
     max_new_tokens: int = 32
     articles: tuple[str, ...] | None = None  # only questions of these articles (a checkpoint's held-out ones)
+    min_confidence: float = 0.0  # withhold answers below this confidence (0: always answer)
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -37,6 +38,8 @@ class SquadEvalConfig:
             raise ConfigError("--limit", self.limit, "must be at least 1")
         if self.k < 1:
             raise ConfigError("-k", self.k, "must be at least 1")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ConfigError("--min-confidence", self.min_confidence, "must be a probability in [0, 1]")
 
 
 def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):
@@ -78,7 +81,8 @@ def evaluate_squad(
         raise ConfigError("--modes", "none", "without --index there is nothing to evaluate")
     if index is None:
         results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
-                                  config.seed, config.max_new_tokens, on_result=tick)
+                                  config.seed, config.max_new_tokens, on_result=tick,
+                                  min_confidence=config.min_confidence)
     else:
         results, extra = _evaluate_with_index(index, examples, config, tick)
     summary = summarize(results) if results else {}
@@ -119,17 +123,17 @@ def _evaluate_with_index(index, examples, config: SquadEvalConfig, tick) -> tupl
         for mode in config.modes:
             misses = index.cache.misses
             tick_start = time.perf_counter()
-            answer = index.ask(example.question, k=config.k, mode=mode, max_new_tokens=config.max_new_tokens)
+            answer = index.ask(example.question, k=config.k, mode=mode, max_new_tokens=config.max_new_tokens,
+                               min_confidence=config.min_confidence)
             latency = (time.perf_counter() - tick_start) * 1000
             retrieved = [p["doc_id"] for p in answer.passages]
             if mode != "closed":
                 (cold if index.cache.misses > misses else warm).append(answer.timings_ms["load_keys"])
+            em, f1 = squad2_question_scores(answer.answer, example.answers)
             result = QAResult(
                 qid=example.qid, mode=mode, question=example.question, prediction=answer.answer,
-                references=example.answers,
-                em=100 * best_over_references(exact_match, answer.answer, example.answers),
-                f1=100 * best_over_references(f1, answer.answer, example.answers), copy_rate=answer.copy_rate,
-                latency_ms=latency, passages=retrieved,
+                references=example.answers, em=100 * em, f1=100 * f1, copy_rate=answer.copy_rate,
+                latency_ms=latency, passages=retrieved, confidence=answer.confidence, no_answer=answer.no_answer,
             )
             results.append(result)
             tick(result)
@@ -154,7 +158,7 @@ def write_squad_report(out_dir: str | Path, summary: dict, results: list[QAResul
         others = "\n".join(f"- `{k}`: {v}" for k, v in sorted(summary.items()))
         (out_dir / "report.md").write_text(f"# {title}\n\n{others}\n")
         return []
-    plots = [_bar_plot(out_dir / "f1_by_mode.png", modes, [[summary[f"qa/{m}/em"] for m in modes],
+    plots = [bar_plot(out_dir / "f1_by_mode.png", modes, [[summary[f"qa/{m}/em"] for m in modes],
                                                               [summary[f"qa/{m}/f1"] for m in modes]],
                        ["EM", "F1"], "score (%)", f"{title}: EM and F1 by mode")]
     latencies = [[r.latency_ms for r in results if r.mode == m] for m in modes]
@@ -173,7 +177,7 @@ def write_squad_report(out_dir: str | Path, summary: dict, results: list[QAResul
     return plots
 
 
-def _bar_plot(path: Path, labels, series, names, ylabel, title) -> Path:
+def bar_plot(path: Path, labels, series, names, ylabel, title) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -47,6 +47,10 @@ class Generation:
     sources: list[tuple[int, int] | None]  # per token: (passage index, token position) when copied
     citations: list[Citation] = field(default_factory=list)
     prompt_tokens: int = 0
+    # with passages: the copy path's probability of the first answer token, g · Σ a_j over the passage entries
+    # that paste it (None without passages); below `min_confidence` the answer is withheld (`no_answer`)
+    confidence: float | None = None
+    no_answer: bool = False
 
     @property
     def copy_rate(self) -> float:
@@ -110,6 +114,13 @@ def _entry_ids(model, memory: CopyMemory | None, context, width: int) -> torch.T
     return torch.cat([ids, ids.new_zeros(width - ids.shape[0])])
 
 
+def first_token_confidence(step: Step, memory: CopyMemory, token: int) -> float:
+    """g · Σ a_j over the passage entries that paste `token` (not their "end here" twins): how much of the first
+    answer token's probability the copy path gives from the passages."""
+    log_a = step.copy_log_attention[: memory.size].masked_fill(memory.ids[0] != token, NEG_INF)
+    return float((step.log_gate + torch.logsumexp(log_a, -1)).exp())
+
+
 def _copied_source(step: Step, token: int, memory: CopyMemory | None) -> int | None:
     """The memory entry a token was copied from, when the copy path gave it more mass than the generator."""
     if memory is None:
@@ -140,6 +151,7 @@ def generate(
     choose: str = "token",
     whole_words: bool = True,
     visible_keys: bool = True,
+    min_confidence: float = 0.0,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
 
@@ -153,6 +165,10 @@ def generate(
     copies from hidden ones: each passage token gets a key from the prompt's own hidden states
     (`prompt_passage_memory`), scored with the same successor bias, end entries and lexical prior, and cited.
     Without it, only the plain own-context entries (what the visible training form trains) can be copied.
+
+    With passages the first token is never the end: the answer is the best one the passages give, and its
+    `confidence` (the copy path's probability of that first token) decides whether it is given at all: below
+    `min_confidence` the generation is empty and marked `no_answer` (the passages hold no answer).
 
     A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
     and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
@@ -181,14 +197,8 @@ def generate(
     if memory is not None and whole_words:
         continues = inside_word(tokenizer, memory.ids[0])
         memory.end_allowed = ~continues.unsqueeze(0).to(device)
-    if memory is not None and model.config.lexical_prior:
-        ids = memory.ids[0].tolist()
-        sentences = sentence_ids(tokenizer, ids) if model.config.lexical_sentences else None
-        starts = model.config.lexical_sentence_starts
-        types = entry_token_types(tokenizer, ids, starts) if model.config.lexical_types else None
-        memory.prior = lexical_features(question_words(tokenizer, question), word_ids(tokenizer, ids),
-                                        model.config.lexical_window_sizes, sentences, question_type(question),
-                                        types, starts).unsqueeze(0).to(device)
+    if memory is not None:
+        memory.prior = lexical_prior(model, tokenizer, question, memory.ids[0])
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
     last = torch.tensor([[len(prompt) - 1]], device=device)  # only the last prompt position predicts
@@ -203,6 +213,14 @@ def generate(
     step, context = Step.at(out, -1), out.context
     tokens: list[int] = []
     sources: list[tuple[int, int] | None] = []
+    confidence = None
+    if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
+        barred = torch.tensor(sorted(stop), device=device)
+        step = Step(step.log_probs.index_fill(0, barred, NEG_INF), step.log_gate, step.copy_log_attention)
+        confidence = first_token_confidence(step, memory, int(step.log_probs.argmax()))
+        if confidence < min_confidence:
+            return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(prompt), confidence=confidence,
+                              no_answer=True)
 
     def pick(step: Step, context, offset: int = 0) -> tuple[int, int | None]:
         """The next (token, external entry) at a step whose context ends `offset` positions before its last."""
@@ -250,10 +268,22 @@ def generate(
         step, context = Step.at(out, kept), _rewind(out.context, len(draft) - kept)
     generation = Generation(
         answer=tokenizer.decode(tokens, skip_special_tokens=True).strip(), token_ids=tokens, sources=sources,
-        prompt_tokens=len(prompt),
+        prompt_tokens=len(prompt), confidence=confidence,
     )
     generation.citations = citations(generation, passages) if memory is not None else []
     return generation
+
+
+def lexical_prior(model, tokenizer, question: str, ids: torch.Tensor) -> torch.Tensor | None:
+    """(1, M, F) query-time lexical features of memory entries pasting `ids` (M,), or None without a prior."""
+    if not model.config.lexical_prior:
+        return None
+    config, tokens = model.config, ids.tolist()
+    sentences = sentence_ids(tokenizer, tokens) if config.lexical_sentences else None
+    types = entry_token_types(tokenizer, tokens, config.lexical_sentence_starts) if config.lexical_types else None
+    return lexical_features(question_words(tokenizer, question), word_ids(tokenizer, tokens),
+                            config.lexical_window_sizes, sentences, question_type(question), types,
+                            config.lexical_sentence_starts).unsqueeze(0).to(ids.device)
 
 
 def _successors(entry: int | None, owner: torch.Tensor | None, count: int) -> list[int]:

@@ -41,3 +41,32 @@ def squad_scores(predictions: list[str], references: list[list[str]]) -> dict[st
     em = sum(best_over_references(exact_match, p, r) for p, r in zip(predictions, references, strict=True))
     f = sum(best_over_references(f1, p, r) for p, r in zip(predictions, references, strict=True))
     return {"em": 100.0 * em / len(predictions), "f1": 100.0 * f / len(predictions)}
+
+
+def f1_v2(prediction: str, reference: str) -> float:
+    """SQuAD 2.0 F1: as v1.1, except that an empty answer scores 1 against an empty reference and 0 otherwise."""
+    predicted, gold = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    if not predicted or not gold:
+        return float(predicted == gold)
+    return f1(prediction, reference)
+
+
+def squad2_question_scores(prediction: str, references: list[str]) -> tuple[float, float]:
+    """(EM, F1) of one prediction ("" = no answer) as the official SQuAD 2.0 script scores it: references that
+    normalise to nothing are dropped, and an unanswerable question's only reference is ""."""
+    gold = [r for r in references if normalize_answer(r)] or [""]
+    return max(exact_match(prediction, g) for g in gold), max(f1_v2(prediction, g) for g in gold)
+
+
+def best_threshold(confidences: list[float], answerable: list[bool], scores: list[float],
+                   answered: list[bool]) -> tuple[float, float]:
+    """The official script's `find_best_thresh`, on confidences: abstaining below a threshold, which one gives
+    the best total score? `scores` are each question's score when answered, `answered` whether its prediction is
+    non-empty. Returns (best total in percent, the confidence threshold: answer when confidence >= it)."""
+    current = best = sum(not a for a in answerable)  # everything withheld: every unanswerable one is right
+    threshold = float("inf")
+    for index in sorted(range(len(confidences)), key=lambda i: -confidences[i]):
+        current += scores[index] if answerable[index] else (-1.0 if answered[index] else 0.0)
+        if current > best:
+            best, threshold = current, confidences[index]
+    return 100.0 * best / max(1, len(confidences)), threshold

@@ -121,12 +121,3 @@ def mixture_target_log_probs(
     same_token = copy_ids.expand_as(copy.log_a) == targets.unsqueeze(-1)  # (..., M)
     copied = gate.log_g + safe_logsumexp(copy.log_a.masked_fill(~same_token, NEG_INF), dim=-1)
     return torch.logaddexp(generated, copied)
-
-
-def mixture_nll(
-    gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-    log_p_gen_target: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Weighted mean NLL of the mixture. weights: (...) float, 0 where a position is not a target."""
-    log_p = mixture_target_log_probs(gate, copy, copy_ids, targets.clamp(min=0), log_p_gen_target)
-    return -(log_p * weights).sum() / weights.sum().clamp(min=1e-9)

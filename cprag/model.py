@@ -12,16 +12,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
+from cprag.adapters import LowRankDelta, build_adapters
 from cprag.config import CPLMConfig
 from cprag.lexical import feature_count
 from cprag.mixture import (
     copy_log_probs,
     gate_log_probs,
     gate_log_probs_from_stats,
+    generator_weight_log,
     mixture_log_probs,
-    mixture_nll,
+    mixture_target_log_probs,
 )
 
 
@@ -63,14 +66,42 @@ class CPLMOutput(ModelOutput):
     log_gate: torch.Tensor | None = None  # (B, T) log g
     copy_log_attention: torch.Tensor | None = None  # (B, T, E + P + T) log a over [external ; context]
     sink_log_attention: torch.Tensor | None = None  # (B, T)
+    generator_log_weight: torch.Tensor | None = None  # (B, T) log(1 - g + g·a_sink): the weight p_gen gets
+    target_log_probs: torch.Tensor | None = None  # (B, T) mixture log p(target), when targets are given
     hidden_states: torch.Tensor | None = None  # (B, T, H)
     context: ContextState | None = None
 
 
-def cp_features(last_hidden: torch.Tensor, hidden_states: tuple | None, layers: list[int] | None) -> torch.Tensor:
+def run_blocks(backbone: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None, start: int, stop: int,
+               keep: set[int] | frozenset = frozenset(), position_ids: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Backbone blocks start..stop-1 on the hidden states entering block `start` (B, T, H), right padded, no cache.
+
+    Returns the hidden states leaving block stop-1 (not normed) and {i: hidden states entering block i} for every
+    i in `keep` with start <= i <= stop, indexed like the backbone's `output_hidden_states` (0 = embeddings).
+    Packed sequences: several sequences in one row, `attention_mask` None and `position_ids` (1, T) restarting at
+    0 for each, attend within their own sequence only (no padding to compute).
+    """
+    positions = position_ids if position_ids is not None else \
+        torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+    mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                              cache=None, position_ids=positions)
+    rotary = backbone.rotary_emb(hidden, position_ids=positions)
+    saved = {start: hidden} if start in keep else {}
+    for index in range(start, stop):
+        hidden = backbone.layers[index](hidden, attention_mask=mask, position_embeddings=rotary,
+                                        position_ids=positions)
+        if index + 1 in keep:
+            saved[index + 1] = hidden
+    return hidden, saved
+
+
+def cp_features(last_hidden: torch.Tensor, hidden_states: tuple | dict | None,
+                layers: list[int] | None) -> torch.Tensor:
     """The CP head's input: RMS-normalised hidden states of `layers`, then the final (normed) hidden state.
 
-    last_hidden (B, T, H), hidden_states: the backbone's per-layer tuple -> (B, T, H * (len(layers) + 1)).
+    last_hidden (B, T, H), hidden_states: the backbone's per-layer states, indexable by layer (a tuple, or a dict
+    holding at least `layers`) -> (B, T, H * (len(layers) + 1)).
     """
     if not layers:
         return last_hidden
@@ -265,6 +296,8 @@ class CPLMPreTrainedModel(PreTrainedModel):
             # open gate at start: the <copy> logit sits near the logsumexp of the LM logits (design notes)
             nn.init.zeros_(module.weight)
             nn.init.constant_(module.bias, self.config.copy_bias_init)
+        elif isinstance(module, LowRankDelta):
+            module.reset_parameters()
         elif self._belongs_to_cp_head(module):
             pass  # initialised with its CopyHead
         else:
@@ -290,12 +323,16 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         self.backbone = backbone if backbone is not None else AutoModel.from_config(config.backbone_config)
         self.copy_gate = nn.Linear(config.hidden_size, 1)  # the `<copy>` row of the LM head
         self.cp_head = CopyHead(config)
+        self.adapters = build_adapters(self.backbone, config.adapter_layers, config.adapted_modules,
+                                       config.adapter_rank, config.adapter_alpha) if config.adapter_layers else None
         self.post_init()
         if backbone is None:
             return
         # post_init may re-initialise what it finds; a given (pretrained) backbone must keep its weights
         self._init_weights(self.copy_gate)
         self._init_weights(self.cp_head)
+        for delta in (self.adapters or {}).values():
+            delta.reset_parameters()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.get_input_embeddings()
@@ -316,6 +353,35 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         )
         features = cp_features(out.last_hidden_state, out.hidden_states, self.config.cp_layers)
         return out.last_hidden_state, features, out.cache
+
+    def cached_layers(self, start: int | None = None) -> list[int]:
+        """Hidden-state indices that fix everything above block `start` (default: the first adapted block): the
+        `cp_layers` below it and its input. A cache of these (cprag.activations) replaces blocks 0..start-1."""
+        start = self.config.first_trained_layer if start is None else start
+        if self.config.adapter_layers and start > self.config.first_trained_layer:
+            raise ValueError(f"blocks from {self.config.first_trained_layer} are adapted: a cache must stop there")
+        return sorted({i for i in self.config.cp_layers or [] if i < start} | {start})
+
+    def frozen_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      start: int | None = None) -> dict[int, torch.Tensor]:
+        """{i: hidden states (B, T, H) entering block i} for i in `cached_layers(start)`: blocks 0..start-1 only."""
+        keep = set(self.cached_layers(start))
+        _, saved = run_blocks(self.backbone, self.backbone.embed_tokens(input_ids), attention_mask, 0, max(keep),
+                              keep)
+        return saved
+
+    def trained_states(self, states: dict[int, torch.Tensor], attention_mask: torch.Tensor | None,
+                       start: int | None = None, position_ids: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From `frozen_states(..., start)`, the rest of the backbone (where any adapters are) -> final hidden
+        states (B, T, H) and the CP head's input (B, T, C), as `encode_hidden` gives them. Packed sequences as in
+        `run_blocks`."""
+        start = self.config.first_trained_layer if start is None else start
+        keep = {i for i in self.config.cp_layers or [] if i > start}
+        hidden, saved = run_blocks(self.backbone, states[start], attention_mask, start,
+                                   self.config.backbone_config.num_hidden_layers, keep, position_ids)
+        hidden = self.backbone.norm(hidden)
+        return hidden, cp_features(hidden, {**states, **saved}, self.config.cp_layers)
 
     def document_keys(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CopyMemory:
         """Encode documents on their own. input_ids (B, T) = [BOS, t_1 .. t_n] -> a memory of T keys each.
@@ -479,17 +545,20 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             log_p_gen_target = lm_stats[1] - lm_stats[0]
         else:
             gate = gate_log_probs(self.lm_logits(hidden), copy_logit)
-        loss = None
+        loss = target_log_probs = None
         if targets is not None:
             weights = (targets != -100).to(hidden.dtype)
             if target_weights is not None:
                 weights = weights * target_weights
-            loss = mixture_nll(gate, copy, ids_for_positions, targets, weights, log_p_gen_target)
+            target_log_probs = mixture_target_log_probs(gate, copy, ids_for_positions, targets.clamp(min=0),
+                                                        log_p_gen_target)
+            loss = -(target_log_probs * weights).sum() / weights.sum().clamp(min=1e-9)
         wants_log_probs = return_log_probs and lm_stats is None
         log_probs = mixture_log_probs(gate, copy, ids_for_positions) if wants_log_probs else None
         return CPLMOutput(
             loss=loss, log_probs=log_probs, log_gate=gate.log_g, copy_log_attention=copy.log_a,
-            sink_log_attention=copy.log_a_sink, hidden_states=hidden, context=state,
+            sink_log_attention=copy.log_a_sink, generator_log_weight=generator_weight_log(gate, copy),
+            target_log_probs=target_log_probs, hidden_states=hidden, context=state,
         )
 
     def save_pretrained(self, save_directory, **kwargs):

@@ -1,4 +1,4 @@
-"""End to end: SQuAD file -> article split -> cached features -> CP-head training -> validation -> checkpoint."""
+"""End to end: SQuAD files -> examples -> activation caches -> training -> validation -> checkpoint."""
 
 from __future__ import annotations
 
@@ -11,69 +11,86 @@ from pathlib import Path
 
 import torch
 
-from cprag.backbone import BaseReference, cache_root, default_reference
+from cprag.adapters import merge
+from cprag.backbone import BaseReference, default_reference
 from cprag.checkpoint import model_fingerprint, new_cplm
 from cprag.evaluate import sample_examples
-from cprag.features import extract_features, features_key, load_or_extract
+from cprag.features import Examples, activation_cache, prepare_examples
 from cprag.qa_eval import evaluate_oracle, summarize
-from cprag.squad import article_of, article_split, read_squad
-from cprag.train import STATE_FILE, teacher_forced_validation, train_head
+from cprag.squad import SquadData, article_split, read_squad
+from cprag.train import STATE_FILE, TrainData, teacher_forced_validation, train_model
 from cprag.train_config import TrainConfig
 
 
 @dataclass
 class Prepared:
-    """A fresh CPLM for `config`, the article split, and the cached features of the training file."""
+    """A fresh CPLM for `config`, the training and validation data, and their cached activations."""
 
     model: object
     tokenizer: object
-    data: object
-    train_articles: set[str]
-    validation_articles: set[str]
-    passages: dict
-    questions: list
-    skipped: dict
-    feature_seconds: float
+    train: TrainData
+    validation: TrainData
+    validation_data: SquadData  # the questions decoded for validation
+    validation_articles: list[str]
+    figures: dict
 
-    def split(self, articles: set[str]) -> list:
-        return [q for q in self.questions if article_of(q.passage_id) in articles]
 
-    @property
-    def question_text(self) -> dict[str, str]:
-        return {e.qid: e.question for e in self.data.examples}
+def _split(examples: Examples, articles: set[str]) -> Examples:
+    return Examples({p: v for p, v in examples.passages.items() if p.rsplit("#", 1)[0] in articles},
+                    [q for q in examples.questions if q.article in articles], examples.skipped)
 
 
 def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | None = None,
-            on_progress: Callable[[str, int, int], None] | None = None) -> Prepared:
+            validation_path: str | Path | None = None,
+            on_progress: Callable[[str, int, int], None] | None = None, build: bool = True) -> Prepared:
+    """Build the model and the activation caches (resuming any partial cache; `build=False` uses the chunks
+    already on disk, for a screen while a build runs elsewhere). Without `validation_path`, whole articles of
+    the training file are held out (`validation_fraction`)."""
     base = base or default_reference()
     torch.manual_seed(config.seed)
     model, tokenizer = new_cplm(base, **config.head)
     data = read_squad(data_path)
-    train_articles, validation_articles = article_split(data, config.validation_fraction, config.seed)
     tick = time.perf_counter()
-    key = features_key(Path(data_path), base.sha256, model.config.cp_layers)
-    passages, questions, skipped = load_or_extract(
-        cache_root() / "features", key,
-        lambda: extract_features(model, tokenizer, data,
-                                 on_progress=(lambda s, d, t: on_progress(f"features: {s}", d, t)) if on_progress
-                                 else None),
-    )
-    return Prepared(model, tokenizer, data, train_articles, validation_articles, passages, questions, skipped,
-                    time.perf_counter() - tick)
+    examples = prepare_examples(tokenizer, data)
+
+    def progress(stage):
+        return (lambda done, total, _tokens: on_progress(stage, done, total)) if on_progress else None
+
+    cache, figures = activation_cache(model, tokenizer, examples, Path(data_path), config.cache_layer, config.dtype,
+                                      config.seed, on_progress=progress("activation cache: training data"),
+                                      build=build)
+    if validation_path is not None:
+        validation_data = read_squad(validation_path)
+        validation_examples = prepare_examples(tokenizer, validation_data)
+        validation_cache, more = activation_cache(model, tokenizer, validation_examples, Path(validation_path),
+                                                  config.cache_layer, config.dtype, config.seed,
+                                                  on_progress=progress("activation cache: validation data"),
+                                                  build=build)
+        figures = {k: figures.get(k, 0) + v for k, v in more.items()} if figures else more
+        train_examples = examples
+        articles = sorted({e.article for e in validation_data.examples})
+    else:
+        train_articles, held_out = article_split(data, config.validation_fraction, config.seed)
+        train_examples, validation_examples = _split(examples, train_articles), _split(examples, held_out)
+        validation_cache, validation_data, articles = cache, data, sorted(held_out)
+    questions = train_examples.questions
+    if config.max_questions is not None and config.max_questions < len(questions):
+        questions = random.Random(config.seed).sample(questions, config.max_questions)
+    train = TrainData.build(model, tokenizer, train_examples, cache, config.distractors, config.seed, questions)
+    validation = TrainData.build(model, tokenizer, validation_examples, validation_cache, config.distractors,
+                                 config.seed)
+    figures["prepare/seconds"] = round(time.perf_counter() - tick, 1)
+    return Prepared(model, tokenizer, train, validation, validation_data, articles, figures)
 
 
-def screen_variant(prepared: Prepared, config: TrainConfig) -> dict:
-    """A quick lever screen: train on cached features, then teacher-forced metrics (no decoding) on the held-out
-    articles (`validation/tf/...`) and on 400 training questions (`train/tf/...`, to tell under- from overfitting)."""
-    text = prepared.question_text
-    training = prepared.split(prepared.train_articles)
-    report = train_head(prepared.model, prepared.tokenizer, training, prepared.passages, text, config)
-    held_out = prepared.split(prepared.validation_articles)
+def screen_variant(prepared: Prepared, config: TrainConfig, validation_limit: int = 2000) -> dict:
+    """A quick lever screen: train, then teacher-forced metrics (no decoding) on validation questions
+    (`validation/tf/...`) and on 400 training questions (`train/tf/...`, to tell under- from overfitting)."""
+    report = train_model(prepared.model, prepared.tokenizer, prepared.train, config)
     metrics = {f"validation/{k}": v for k, v in teacher_forced_validation(
-        prepared.model, prepared.tokenizer, held_out, prepared.passages, text, config.distractors, config.seed).items()}
-    seen = random.Random(config.seed).sample(training, min(400, len(training)))
+        prepared.model, prepared.tokenizer, prepared.validation, config, validation_limit, config.seed).items()}
     metrics.update({f"train/{k}": v for k, v in teacher_forced_validation(
-        prepared.model, prepared.tokenizer, seen, prepared.passages, text, config.distractors, config.seed).items()})
+        prepared.model, prepared.tokenizer, prepared.train, config, 400, config.seed).items()})
     metrics.update({"train/steps": report.steps, "train/seconds": round(report.seconds, 1),
                     "train/final_loss": _tail_mean(report.losses)})
     return metrics
@@ -81,47 +98,49 @@ def screen_variant(prepared: Prepared, config: TrainConfig) -> dict:
 
 def train_checkpoint(
     data_path: str | Path, out_dir: str | Path, config: TrainConfig, base: BaseReference | None = None,
-    validation_questions: int = 300, validation_modes: tuple[str, ...] = ("hidden",),
+    validation_path: str | Path | None = None, validation_questions: int = 1000,
+    validation_modes: tuple[str, ...] = ("hidden",), teacher_forced_questions: int | None = 2000,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
-    """Train, validate on held-out articles, and save a checkpoint with its config and model card. Returns the
-    flat metrics dict (qa/hidden/f1, ...) also written to `out_dir/metrics.json`."""
+    """Train, validate, and save a checkpoint with its config. Returns the flat metrics dict (qa/hidden/f1, ...)
+    also written to `out_dir/metrics.json`; decoded answers go to `out_dir/validation.jsonl`."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prepared = prepare(data_path, config, base, on_progress)
-    model, tokenizer, data = prepared.model, prepared.tokenizer, prepared.data
-    passages, skipped, feature_seconds = prepared.passages, prepared.skipped, prepared.feature_seconds
-    train_articles, validation_articles = prepared.train_articles, prepared.validation_articles
+    prepared = prepare(data_path, config, base, validation_path, on_progress)
+    model, tokenizer = prepared.model, prepared.tokenizer
 
     def report(stage):
         return (lambda done, total, *_: on_progress(stage, done, total)) if on_progress else None
 
-    text = prepared.question_text
-    report_train = train_head(model, tokenizer, prepared.split(train_articles), passages, text, config, out_dir,
-                              report("train"))
-
-    held_out = prepared.split(validation_articles)
-    teacher_forced = teacher_forced_validation(model, tokenizer, held_out, passages, text, config.distractors,
-                                               config.seed)
-    # the questions `cprag eval squad --held-out --limit N` asks too
-    validation = sample_examples(data, validation_questions, config.seed, tuple(sorted(validation_articles)))
+    trained = train_model(model, tokenizer, prepared.train, config, out_dir, report("train"))
+    teacher_forced = teacher_forced_validation(model, tokenizer, prepared.validation, config,
+                                               teacher_forced_questions, config.seed)
+    model.save_pretrained(out_dir)
+    fingerprint = model_fingerprint(model)
+    if model.adapters is not None:
+        merge(model.backbone, model.adapters)  # decoding speed; the saved adapters are unchanged
+    # the questions `cprag eval squad VALIDATION --oracle --limit N --seed S` asks too
+    validation = sample_examples(prepared.validation_data, validation_questions, config.seed,
+                                 tuple(prepared.validation_articles) if validation_path is None else None)
     tick = time.perf_counter()
-    results = evaluate_oracle(model, tokenizer, validation, data.passages, list(validation_modes),
-                              distractors=config.distractors, seed=config.seed)
+    results = evaluate_oracle(model, tokenizer, validation, prepared.validation_data.passages,
+                              list(validation_modes), distractors=config.distractors, seed=config.seed)
     metrics = summarize(results)
     metrics.update({f"validation/{k}": v for k, v in teacher_forced.items()})
+    metrics.update({f"cache/{k.split('/', 1)[1]}": v for k, v in prepared.figures.items() if k.startswith("cache/")})
     metrics.update({
-        "train/steps": report_train.steps, "train/examples": report_train.examples,
-        "train/seconds": round(report_train.seconds, 1), "train/final_loss": _tail_mean(report_train.losses),
-        "features/seconds": round(feature_seconds, 1), "validation/seconds": round(time.perf_counter() - tick, 1),
+        "train/steps": trained.steps, "train/questions": trained.examples,
+        "train/visible_examples": trained.visible_examples, "train/seconds": round(trained.seconds, 1),
+        "train/final_loss": _tail_mean(trained.losses), "prepare/seconds": prepared.figures["prepare/seconds"],
+        "validation/seconds": round(time.perf_counter() - tick, 1),
         "total/seconds": round(time.perf_counter() - started, 1),
     })
-    model.save_pretrained(out_dir)
     (out_dir / "train_config.json").write_text(json.dumps({
-        "train": asdict(config), "data": Path(data_path).name, "train_articles": sorted(train_articles),
-        "validation_articles": sorted(validation_articles), "skipped": {**data.skipped, **skipped},
-        "fingerprint": model_fingerprint(model),
+        "train": asdict(config), "data": Path(data_path).name,
+        "validation_data": Path(validation_path).name if validation_path else Path(data_path).name,
+        "validation_articles": prepared.validation_articles,
+        "skipped": {**prepared.train.examples.skipped}, "fingerprint": fingerprint,
     }, indent=2))
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     with open(out_dir / "validation.jsonl", "w") as handle:

@@ -18,7 +18,11 @@ class QAExample:
     article: str
     paragraph: int  # index of the paragraph in its article: the passage id is f"{article}#{paragraph}"
     context: str
-    answer_start: int  # character offset of the first reference answer in context
+    answer_start: int  # character offset of the first reference answer in context (-1: unanswerable)
+
+    @property
+    def answerable(self) -> bool:
+        return bool(self.answers)
 
     @property
     def passage_id(self) -> str:
@@ -32,8 +36,9 @@ class SquadData:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
 
 
-def read_squad(path: str | Path) -> SquadData:
-    """Read SQuAD v1.1 JSON. Answers not found at their offset are skipped and counted, never fatal."""
+def read_squad(path: str | Path, unanswerable: bool = False) -> SquadData:
+    """Read SQuAD v1.1 JSON. Answers not found at their offset are skipped and counted, never fatal. With
+    `unanswerable`, SQuAD 2.0 questions marked `is_impossible` are kept, with no answers."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -54,6 +59,9 @@ def read_squad(path: str | Path) -> SquadData:
                 context = paragraph["context"]
                 passages[f"{article['title']}#{index}"] = (article["title"], context)
                 for qa in paragraph["qas"]:
+                    if unanswerable and qa.get("is_impossible"):
+                        examples.append(QAExample(qa["id"], qa["question"], [], article["title"], index, context, -1))
+                        continue
                     answers = [a["text"] for a in qa["answers"]]
                     first = qa["answers"][0] if qa["answers"] else None
                     if first is None or context[first["answer_start"]:][: len(first["text"])] != first["text"]:

@@ -6,11 +6,15 @@ from dataclasses import dataclass, field
 
 from cprag.errors import ConfigError
 
+DTYPES = ("bfloat16", "float32")
+
 
 @dataclass
 class TrainConfig:
-    epochs: float = 6.0
+    epochs: float = 1.0
     lr: float = 2e-3
+    # the adapters on the top backbone blocks: a smaller step than the freshly initialised head
+    adapter_lr: float = 5e-4
     weight_decay: float = 0.01
     # scalars (successor bias, sink bias, the <copy> bias) must travel several nats, and Adam moves a parameter
     # by about lr per step: they get lr times this
@@ -18,28 +22,49 @@ class TrainConfig:
     batch_size: int = 16
     distractors: int = 4
     end_weight: float = 3.0
+    # share of training questions asked with a memory that lacks their gold passage: stop at once, copy nothing
+    no_answer_fraction: float = 0.2
     seed: int = 0
+    # validation articles carved from the training file, when no separate validation file is given
     validation_fraction: float = 0.2
     save_every: int = 100
     max_steps: int | None = None
-    # "hidden": passages as keys, the backbone reads the question (features cached once). "visible": passages in
-    # the prompt and the CP head over its own context; the frozen backbone runs every batch (slow on CPU)
-    form: str = "hidden"
+    # use only a seeded sample of this many training questions (the training-set size lever)
+    max_questions: int | None = None
+    # blocks below this one are frozen and cached once (cprag.activations); adapters must sit at or above it
+    cache_layer: int = 24
+    # what the cache and the training steps compute in: bf16 autocast on CPUs with bf16 matrix units, or fp32
+    dtype: str = "bfloat16"
+    # every `visible_every` steps (0: never), `visible_batch` questions also train the visible form: passages in
+    # the prompt, copied from their prompt keys as visible decoding does (the frozen blocks run for each)
+    visible_every: int = 0
+    visible_batch: int = 2
     head: dict = field(default_factory=lambda: {
         "key_dim": 64, "key_sees_token": False, "doc_refine_layers": 1, "doc_refine_dim": 128,
         "end_entries": True, "successor_bias": True, "cp_layers": [8, 16, 24], "doc_lookahead": 0,
         "lexical_prior": True, "lexical_windows": [3, 12, 40], "lexical_sentences": True, "lexical_types": True,
-        "copied_span_ends": "successor",
+        "copied_span_ends": "successor", "adapter_layers": [24, 25, 26, 27, 28, 29], "adapter_rank": 16,
     })
 
     def __post_init__(self):
         checks = [("--epochs", self.epochs, self.epochs > 0), ("--lr", self.lr, self.lr > 0),
+                  ("--adapter-lr", self.adapter_lr, self.adapter_lr >= 0),
                   ("--scalar-lr-scale", self.scalar_lr_scale, self.scalar_lr_scale > 0),
                   ("--batch-size", self.batch_size, self.batch_size >= 1),
                   ("--distractors", self.distractors, self.distractors >= 0),
                   ("--end-weight", self.end_weight, self.end_weight > 0),
-                  ("--validation-fraction", self.validation_fraction, 0 < self.validation_fraction < 1)]
-        checks.append(("--form", self.form, self.form in ("hidden", "visible")))
+                  ("--no-answer-fraction", self.no_answer_fraction, 0 <= self.no_answer_fraction < 1),
+                  ("--validation-fraction", self.validation_fraction, 0 < self.validation_fraction < 1),
+                  ("--max-steps", self.max_steps, self.max_steps is None or self.max_steps >= 1),
+                  ("--max-questions", self.max_questions, self.max_questions is None or self.max_questions >= 1),
+                  ("--cache-layer", self.cache_layer, self.cache_layer >= 0),
+                  ("--dtype", self.dtype, self.dtype in DTYPES),
+                  ("--visible-every", self.visible_every, self.visible_every >= 0),
+                  ("--visible-batch", self.visible_batch, self.visible_batch >= 1)]
         for flag, value, ok in checks:
             if not ok:
                 raise ConfigError(flag, value, "out of range")
+        adapted = self.head.get("adapter_layers") or []
+        if adapted and min(adapted) < self.cache_layer:
+            raise ConfigError("--cache-layer", self.cache_layer, f"adapters on blocks {adapted} sit below it: the "
+                              "cache may only replace frozen blocks")

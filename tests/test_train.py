@@ -1,14 +1,17 @@
-"""The training recipe end to end on a tiny GGUF backbone and a tiny SQuAD file the test writes."""
+"""The training recipe end to end on a tiny GGUF backbone and a tiny SQuAD file the test writes: the activation
+cache, adapters on the top block, no-answer examples, the visible form, resuming, and the lever screen."""
 
 import json
+from dataclasses import asdict, replace
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
 from cprag.backbone import gguf_reference
-from cprag.errors import ConfigError, CorpusError
+from cprag.errors import CacheMismatch, ConfigError, CorpusError
 from cprag.recipe import train_checkpoint
 from cprag.squad import article_split, read_squad
 from cprag.train import STATE_FILE
@@ -26,7 +29,7 @@ FACTS = [
 ]
 
 
-def tiny_squad(path, missing_answer=True):
+def tiny_squad(path, missing_answer=True, unanswerable=False):
     articles = {}
     for title, context, question, answer in FACTS:
         paragraphs = articles.setdefault(title, [])
@@ -36,30 +39,39 @@ def tiny_squad(path, missing_answer=True):
     if missing_answer:  # an answer that is not where it claims to be: skipped and counted
         articles["Geese"][0]["qas"].append({"id": "bad", "question": "?", "answers": [{"text": "zebra",
                                                                                        "answer_start": 3}]})
+    if unanswerable:  # SQuAD 2.0 style: no answer in the paragraph
+        for title, paragraphs in articles.items():
+            paragraphs[0]["qas"].append({"id": f"{title}-none", "question": "Who painted the ceiling?",
+                                         "answers": [], "is_impossible": True})
     path.write_text(json.dumps({"data": [{"title": t, "paragraphs": p} for t, p in articles.items()]}))
     return path
 
 
-SMOKE = dict(epochs=2, batch_size=4, distractors=2, lr=5e-3, validation_fraction=0.25, save_every=2,
-             head={"key_dim": 8, "key_sees_token": True, "doc_refine_layers": 1, "doc_refine_dim": 16,
-                   "end_entries": True, "successor_bias": True, "cp_layers": [1], "doc_lookahead": 1})
+HEAD = {"key_dim": 8, "doc_refine_layers": 1, "doc_refine_dim": 16, "end_entries": True, "successor_bias": True,
+        "cp_layers": [1], "adapter_layers": [1], "adapter_rank": 4}
+SMOKE = TrainConfig(epochs=2, batch_size=4, distractors=2, lr=5e-3, adapter_lr=5e-3, validation_fraction=0.25,
+                    save_every=2, cache_layer=1, dtype="float32", no_answer_fraction=0.25, head=HEAD)
+
+
+def smoke(**changes) -> TrainConfig:
+    return replace(SMOKE, **changes)
 
 
 def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
     write_tiny_gguf(tmp_path / "base.gguf")
     data = tiny_squad(tmp_path / "tiny.json")
     # 4 distractors, as `cprag eval squad --oracle` uses
-    metrics = train_checkpoint(data, tmp_path / "ckpt", TrainConfig(**{**SMOKE, "distractors": 4}),
-                               base=gguf_reference(tmp_path / "base.gguf"), validation_questions=4,
-                               validation_modes=("hidden", "closed"))
+    metrics = train_checkpoint(data, tmp_path / "ckpt", smoke(distractors=4), base=gguf_reference(tmp_path / "base.gguf"),
+                               validation_questions=4, validation_modes=("hidden", "closed"))
     assert metrics["train/steps"] == 2 * (6 // 4) and metrics["qa/hidden/n"] == 2
     assert 0 <= metrics["qa/hidden/f1"] <= 100 and "qa/closed/em" in metrics
     assert 0 <= metrics["validation/tf/start"] <= 100 and 0 <= metrics["validation/tf/exact"] <= 100
+    assert metrics["cache/tokens_built"] > 0
     config = json.loads((tmp_path / "ckpt" / "train_config.json").read_text())
-    assert config["skipped"] == {"answer not found at its offset": 1}
-    assert set(config["train_articles"]).isdisjoint(config["validation_articles"])
+    assert config["skipped"] == {} and len(config["validation_articles"]) == 1
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     assert loaded.config.end_entries and loaded.cp_head.doc_refiner is not None
+    assert loaded.adapters is not None and loaded.config.adapter_layers == [1]
     assert not (tmp_path / "ckpt" / STATE_FILE).exists()
     # `cprag eval squad --held-out` asks the checkpoint's validation questions and scores them the same
     from typer.testing import CliRunner
@@ -77,79 +89,148 @@ def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
     assert json.loads(result.stdout)["qa/hidden/em"] == metrics["qa/hidden/em"]
 
 
-def fresh_model_and_features(tmp_path):
-    """(data, model, tokenizer, passage features, question features, question text) on the tiny SQuAD file."""
-    from cprag.checkpoint import new_cplm
-    from cprag.features import extract_features
+def prepared(tmp_path, config=SMOKE):
+    from cprag.recipe import prepare
 
     write_tiny_gguf(tmp_path / "base.gguf")
-    data = read_squad(tiny_squad(tmp_path / "tiny.json"))
-    torch.manual_seed(0)
-    model, tokenizer = new_cplm(gguf_reference(tmp_path / "base.gguf"), **SMOKE["head"])
-    passages, questions, _ = extract_features(model, tokenizer, data)
-    return data, model, tokenizer, passages, questions, {e.qid: e.question for e in data.examples}
+    return prepare(tiny_squad(tmp_path / "tiny.json"), config, base=gguf_reference(tmp_path / "base.gguf"))
 
 
-def test_training_changes_the_head_and_lowers_the_loss(tmp_path):
-    from cprag.train import teacher_forced_validation, train_head
+def test_cached_activations_give_the_full_forward_pass(tmp_path):
+    ready = prepared(tmp_path)
+    model, cache = ready.model, ready.train.cache
+    question = ready.train.examples.questions[0]
+    ids = torch.tensor([ready.train.prompts[question.qid] + question.answer_ids])
+    with torch.no_grad():
+        for delta in model.adapters.values():  # adapters that do something
+            delta.lora_B.normal_(std=0.05)
+        hidden, features, _ = model.encode_hidden(ids, torch.ones_like(ids))
+        states, mask = cache.states([f"q/{question.qid}"])
+        resumed, resumed_features = model.trained_states(states, mask, 1)
+    assert cache.layers == [1] and states[1].shape[1] == ids.shape[1]
+    # the cache keeps float16: equal up to its rounding (a misaligned position would be off by the whole value)
+    assert not torch.allclose(resumed, model.trained_states(states, mask, 1)[0] * 0)
+    assert torch.allclose(resumed, hidden, atol=1e-2) and torch.allclose(resumed_features, features, atol=1e-2)
 
-    data, model, tokenizer, passages, questions, text = fresh_model_and_features(tmp_path)
-    config = TrainConfig(**{**SMOKE, "epochs": 30, "batch_size": 8})
-    before = teacher_forced_validation(model, tokenizer, questions, passages, text, distractors=2)
-    report = train_head(model, tokenizer, questions, passages, text, config)
+
+def test_an_interrupted_cache_build_resumes_to_the_same_arrays(tmp_path):
+    from cprag.features import activation_cache, prepare_examples
+
+    ready = prepared(tmp_path)
+    model, tokenizer = ready.model, ready.tokenizer
+    data = tmp_path / "tiny.json"
+    examples = prepare_examples(tokenizer, read_squad(data))
+
+    def build(directory, on_progress=None):
+        return activation_cache(model, tokenizer, examples, data, 1, "float32", chunk_size=3, directory=directory,
+                                on_progress=on_progress)
+
+    def stop_after_two_chunks(done, total, tokens):
+        if done >= 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "partial", stop_after_two_chunks)
+    partial = activation_cache(model, tokenizer, examples, data, 1, "float32", chunk_size=3,
+                               directory=tmp_path / "partial", build=False)[0]
+    assert len(partial) == 6 and not partial.complete  # finished chunks are usable already
+    resumed, figures = build(tmp_path / "partial")
+    assert figures["cache/chunks_skipped"] == 2 and resumed.complete
+    clean = build(tmp_path / "clean")[0]
+    assert set(clean.where) == set(resumed.where)
+    for key in clean.where:
+        assert np.array_equal(clean.get(key), resumed.get(key))
+    with pytest.raises(CacheMismatch, match="plan"):  # other chunking, same folder: refused, nothing overwritten
+        activation_cache(model, tokenizer, examples, data, 1, "float32", chunk_size=4, directory=tmp_path / "clean")
+
+
+def test_training_moves_the_head_and_the_adapters_and_lowers_the_loss(tmp_path):
+    from cprag.train import teacher_forced_validation, train_model
+
+    ready = prepared(tmp_path)
+    config = smoke(epochs=40, batch_size=4, no_answer_fraction=0.0)
+    before = teacher_forced_validation(ready.model, ready.tokenizer, ready.train, config)
+    report = train_model(ready.model, ready.tokenizer, ready.train, config)
     assert sum(report.losses[-3:]) / 3 < 0.85 * sum(report.losses[:3]) / 3
-    after = teacher_forced_validation(model, tokenizer, questions, passages, text, distractors=2)
+    after = teacher_forced_validation(ready.model, ready.tokenizer, ready.train, config)
     assert after["tf/token"] > before["tf/token"]  # the questions it trained on, answered better step by step
+    assert all(delta.lora_B.abs().sum() > 0 for delta in ready.model.adapters.values())
+    assert all(not p.requires_grad for p in ready.model.backbone.parameters())
 
 
-def test_the_visible_form_trains_the_head_to_copy_from_the_prompt(tmp_path):
+def test_a_frozen_backbone_trains_the_head_alone(tmp_path):
+    from cprag.train import train_model
+
+    head = {**HEAD, "adapter_layers": None}
+    ready = prepared(tmp_path, smoke(head=head))
+    assert ready.model.adapters is None
+    base = {n: p.detach().clone() for n, p in ready.model.backbone.named_parameters()}
+    train_model(ready.model, ready.tokenizer, ready.train, smoke(head=head, epochs=4))
+    assert all(torch.equal(base[n], p) for n, p in ready.model.backbone.named_parameters())
+
+
+def test_no_answer_questions_lack_their_passage_and_learn_to_hand_the_copy_mass_back(tmp_path):
+    import random
+
+    from cprag.train import batch_forward, train_model
+
+    ready = prepared(tmp_path)
+    data, model = ready.train, ready.model
+    chosen = data.examples.questions[:4]
+    rng = random.Random(0)
+    batch = data.batch(chosen, 2, ready.tokenizer.bos_token_id, rng, [True, False, True, False])
+    width = batch.memory_ids.shape[1]
+    for row, q in enumerate(chosen):
+        slot = [k.split("/", 1)[1] for k in batch.passage_keys].index(q.passage_id)
+        sees_gold = batch.question_memory_mask[row, slot * width]
+        assert bool(sees_gold) == (row % 2 == 1)  # no-answer rows never see their gold passage
+        assert batch.question_memory_mask[row].view(-1, width)[:, 0].sum() == 3  # gold or one more, + 2 others
+    assert batch.targets[0, 0] == chosen[0].end_id and (batch.targets[0, 1:] == -100).all()
+
+    def copy_mass():
+        with torch.no_grad():
+            out, _, _ = batch_forward(model, batch, data.cache, 1, "float32")
+        return 1 - out.generator_log_weight[batch.no_answer, 0].exp().mean().item()
+
+    before = copy_mass()
+    train_model(model, ready.tokenizer, data, smoke(epochs=30, no_answer_fraction=0.9))
+    assert copy_mass() < 0.5 * before
+
+
+def test_the_visible_form_trains_alongside_and_decodes(tmp_path):
     from cprag.generate import generate
-    from cprag.train import train_head
-
-    data, model, tokenizer, passages, questions, text = fresh_model_and_features(tmp_path)
-    before = {n: p.detach().clone() for n, p in model.cp_head.named_parameters()}
-    config = TrainConfig(**{**SMOKE, "epochs": 20, "batch_size": 4, "distractors": 1, "form": "visible"})
-    report = train_head(model, tokenizer, questions, passages, text, config)
-    assert sum(report.losses[-3:]) / 3 < 0.85 * sum(report.losses[:3]) / 3
-    assert not torch.equal(before["q_proj.weight"], model.cp_head.q_proj.weight)
-    assert all(not n.startswith("backbone.") for n, p in model.named_parameters() if p.requires_grad)
-    example = data.examples[0]
     from cprag.qa_eval import OracleMemory
+    from cprag.train import train_model
 
-    answer = generate(model, tokenizer, example.question, OracleMemory(model, tokenizer, data.passages).get(
-        [example.passage_id]), "visible", max_new_tokens=4)
-    assert answer.token_ids  # the visible path decodes with the trained head
-    with pytest.raises(ConfigError, match="--form"):
-        TrainConfig(form="sideways")
+    ready = prepared(tmp_path)
+    before = {n: p.detach().clone() for n, p in ready.model.named_parameters() if n.startswith("adapters.")}
+    report = train_model(ready.model, ready.tokenizer, ready.train, smoke(epochs=6, visible_every=1,
+                                                                          visible_batch=2))
+    assert report.visible_examples == 2 * report.steps
+    assert any(not torch.equal(before[n], p) for n, p in ready.model.named_parameters() if n in before)
+    example = read_squad(tmp_path / "tiny.json").examples[0]
+    passages = read_squad(tmp_path / "tiny.json").passages
+    answer = generate(ready.model, ready.tokenizer, example.question,
+                      OracleMemory(ready.model, ready.tokenizer, passages).get([example.passage_id]), "visible",
+                      max_new_tokens=4)
+    assert answer.token_ids and answer.confidence is not None
 
 
 def test_interrupted_training_resumes_from_its_last_saved_step(tmp_path):
-    from cprag.checkpoint import new_cplm
-    from cprag.features import extract_features
-    from cprag.train import train_head
+    from cprag.train import train_model
 
-    write_tiny_gguf(tmp_path / "base.gguf")
-    data = read_squad(tiny_squad(tmp_path / "tiny.json"))
-    text = {e.qid: e.question for e in data.examples}
-    config = TrainConfig(**{**SMOKE, "epochs": 4, "batch_size": 2, "save_every": 3})
-
-    def fresh():
-        torch.manual_seed(0)
-        return new_cplm(gguf_reference(tmp_path / "base.gguf"), **SMOKE["head"])
-
-    model, tokenizer = fresh()
-    passages, questions, _ = extract_features(model, tokenizer, data)
-    straight = train_head(model, tokenizer, questions, passages, text, config)
+    config = smoke(epochs=4, batch_size=2, save_every=3)
+    straight = train_model((ready := prepared(tmp_path)).model, ready.tokenizer, ready.train, config)
 
     def stop_after_four(step, total, loss):
         if step == 4:
             raise KeyboardInterrupt
 
-    model, tokenizer = fresh()
+    ready = prepared(tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        train_head(model, tokenizer, questions, passages, text, config, tmp_path / "run", stop_after_four)
-    model, tokenizer = fresh()
-    resumed = train_head(model, tokenizer, questions, passages, text, config, tmp_path / "run")
+        train_model(ready.model, ready.tokenizer, ready.train, config, tmp_path / "run", stop_after_four)
+    ready = prepared(tmp_path)
+    resumed = train_model(ready.model, ready.tokenizer, ready.train, config, tmp_path / "run")
     assert resumed.resumed_from == 3 and resumed.steps == straight.steps
     assert resumed.losses == pytest.approx(straight.losses, abs=1e-3)
 
@@ -163,6 +244,10 @@ def test_bad_training_input_is_reported(tmp_path):
             read_squad(tmp_path / name)
     with pytest.raises(ConfigError, match="--lr"):
         TrainConfig(lr=0)
+    with pytest.raises(ConfigError, match="--cache-layer"):  # the cache may only stand in for frozen blocks
+        TrainConfig(cache_layer=26, head={**TrainConfig().head, "adapter_layers": [24, 25]})
+    with pytest.raises(ConfigError, match="--no-answer-fraction"):
+        TrainConfig(no_answer_fraction=1.0)
 
 
 def test_article_split_never_splits_an_article(tmp_path):
@@ -172,17 +257,20 @@ def test_article_split_never_splits_an_article(tmp_path):
 
 
 def test_a_lever_screen_reports_teacher_forced_metrics_on_both_splits(tmp_path):
-    from cprag.recipe import prepare, screen_variant
+    from cprag.recipe import screen_variant
 
-    write_tiny_gguf(tmp_path / "base.gguf")
-    data = tiny_squad(tmp_path / "tiny.json")
-    head = {**SMOKE["head"], "lexical_prior": True, "query_refine_layers": 1, "query_refine_dim": 16}
-    config = TrainConfig(**{**SMOKE, "max_steps": 2, "head": head})
-    prepared = prepare(data, config, base=gguf_reference(tmp_path / "base.gguf"))
-    metrics = screen_variant(prepared, config)
+    head = {**HEAD, "lexical_prior": True, "query_refine_layers": 1, "query_refine_dim": 16}
+    config = smoke(max_steps=2, head=head)
+    ready = prepared(tmp_path, config)
+    metrics = screen_variant(ready, config)
     assert metrics["train/steps"] == 2
-    assert metrics["validation/tf/n"] == len(prepared.split(prepared.validation_articles)) > 0
+    assert metrics["validation/tf/n"] == len(ready.validation.examples.questions) > 0
     for key in ("validation/tf/start", "validation/tf/exact", "train/tf/start", "train/tf/token"):
         assert 0 <= metrics[key] <= 100
-    head = prepared.model.cp_head  # the lexical weights and the query refiner were trained
+    head = ready.model.cp_head  # the lexical weights and the query refiner were trained
     assert head.lexical.abs().sum() > 0 and head.query_refiner.up[0].weight.abs().sum() > 0
+
+
+def test_the_config_round_trips_through_json(tmp_path):
+    config = smoke(max_questions=3)
+    assert TrainConfig(**json.loads(json.dumps(asdict(config)))) == config
