@@ -37,6 +37,7 @@ class Batch:
     targets: torch.Tensor  # (B, Q) answer tokens then the end (the end alone for no-answer), -100 on padding
     weights: torch.Tensor  # (B, Q)
     prev_source: torch.Tensor  # (B, Q) memory entry of the previous answer token, -1 for the first
+    gold_entries: torch.Tensor  # (B, Q) the external entry each target is copied from (end: its twin), -1: none
     query_positions: torch.Tensor  # (B, Q) positions that predict the targets
     no_answer: torch.Tensor  # (B,) bool: the memory lacks the gold passage
     passage_keys: list[str]  # (N) the batch's distinct passages (p/<pid>)
@@ -73,8 +74,9 @@ def distractor_pool(questions: list[TrainQuestion], passages: dict[str, PassageT
 
 def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], passages: dict[str, PassageTokens],
                pool: dict[str, list[str]], distractors: int, bos_id: int, rng: random.Random, no_answer: list[bool],
-               end_weight: float = 1.0, lexicon: Lexicon | None = None) -> Batch:
-    """Collate questions over one shared set of passages (see the module docstring)."""
+               end_weight: float = 1.0, lexicon: Lexicon | None = None, end_twins: bool = True) -> Batch:
+    """Collate questions over one shared set of passages (see the module docstring). `end_twins`: the model has
+    "end here" entries, so the end of an answer is copied from a known entry too."""
     golds = list(dict.fromkeys(q.passage_id for q in questions))
     extras = list(dict.fromkeys(p for q in questions for p in pool[q.passage_id] if p not in golds))
     rng.shuffle(extras)
@@ -88,6 +90,7 @@ def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], pa
     targets = torch.full((b, width_q), -100, dtype=torch.long)
     weights = torch.zeros((b, width_q))
     prev = torch.full((b, width_q), -1, dtype=torch.long)
+    gold = torch.full((b, width_q), -1, dtype=torch.long)
     query_positions = torch.zeros((b, width_q), dtype=torch.long)
     visible = torch.zeros((b, len(memory), width), dtype=torch.bool)
     lengths = []
@@ -106,6 +109,9 @@ def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], pa
         if not unanswerable:
             start = slot[q.passage_id] * width + q.span[0]  # entry j of a passage pastes its token j
             prev[row, 1:n] = torch.arange(start, start + n - 1)
+            gold[row, : n - 1] = torch.arange(start, start + n - 1)
+            if end_twins:  # the "end here" twin of the entry after the last answer token
+                gold[row, n - 1] = len(memory) * width + start + n - 1
         lengths.append(q.prompt_len + len(answer))
     prior = lexicon.features(questions, memory, passages, width) if lexicon is not None else None
     return Batch(
@@ -113,7 +119,7 @@ def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], pa
         input_ids=pad([torch.tensor(prompts[q.qid] + q.answer_ids)[:n] for q, n in zip(questions, lengths,
                                                                                          strict=True)]),
         attention_mask=pad([torch.ones(n, dtype=torch.long) for n in lengths]),
-        targets=targets, weights=weights, prev_source=prev, query_positions=query_positions,
+        targets=targets, weights=weights, prev_source=prev, gold_entries=gold, query_positions=query_positions,
         no_answer=torch.tensor(no_answer, dtype=torch.bool),
         passage_keys=[f"p/{p}" for p in memory],
         memory_ids=pad([torch.tensor([bos_id] + passages[p].ids) for p in memory]),

@@ -1,4 +1,5 @@
-"""SQuAD v1.1 exact match and F1 with the official normalisation, taking the best over all references."""
+"""SQuAD exact match and F1 with the official normalisation (v1.1, and v2.0 with its empty answers), the best
+over all references, and the official best abstention threshold."""
 
 from __future__ import annotations
 
@@ -28,19 +29,6 @@ def f1(prediction: str, reference: str) -> float:
         return 0.0
     precision, recall = overlap / len(predicted), overlap / len(gold)
     return 2 * precision * recall / (precision + recall)
-
-
-def best_over_references(metric, prediction: str, references: list[str]) -> float:
-    return max((metric(prediction, reference) for reference in references), default=0.0)
-
-
-def squad_scores(predictions: list[str], references: list[list[str]]) -> dict[str, float]:
-    """{"em", "f1"} in percent over paired predictions and reference lists."""
-    if not predictions:
-        return {"em": 0.0, "f1": 0.0}
-    em = sum(best_over_references(exact_match, p, r) for p, r in zip(predictions, references, strict=True))
-    f = sum(best_over_references(f1, p, r) for p, r in zip(predictions, references, strict=True))
-    return {"em": 100.0 * em / len(predictions), "f1": 100.0 * f / len(predictions)}
 
 
 def f1_v2(prediction: str, reference: str) -> float:

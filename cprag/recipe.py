@@ -56,14 +56,14 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | No
     def progress(stage):
         return (lambda done, total, _tokens: on_progress(stage, done, total)) if on_progress else None
 
-    cache, figures = activation_cache(model, tokenizer, examples, Path(data_path), config.cache_layer, config.dtype,
-                                      config.seed, on_progress=progress("activation cache: training data"),
-                                      build=build)
+    cache, figures = activation_cache(model, tokenizer, examples, Path(data_path), config.cache_layer,
+                                      config.cache_dtype, config.seed, build=build,
+                                      on_progress=progress("activation cache: training data"))
     if validation_path is not None:
         validation_data = read_squad(validation_path)
         validation_examples = prepare_examples(tokenizer, validation_data)
         validation_cache, more = activation_cache(model, tokenizer, validation_examples, Path(validation_path),
-                                                  config.cache_layer, config.dtype, config.seed,
+                                                  config.cache_layer, config.cache_dtype, config.seed,
                                                   on_progress=progress("activation cache: validation data"),
                                                   build=build)
         figures = {k: figures.get(k, 0) + v for k, v in more.items()} if figures else more

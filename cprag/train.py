@@ -62,6 +62,7 @@ class TrainData:
     prompts: dict[str, list[int]]
     lexicon: Lexicon | None
     pool: dict[str, list[str]]
+    end_twins: bool
 
     @classmethod
     def build(cls, model, tokenizer, examples: Examples, cache: ActivationCache, distractors: int, seed: int,
@@ -73,12 +74,13 @@ class TrainData:
         kept = Examples(passages, available, examples.skipped)
         return cls(kept, cache, {q.qid: prompt_ids(tokenizer, q.question) for q in available},
                    Lexicon.build(model.config, tokenizer, available, passages),
-                   distractor_pool(available, passages, distractors + 1, random.Random(seed)))
+                   distractor_pool(available, passages, distractors + 1, random.Random(seed)),
+                   model.config.end_entries)
 
     def batch(self, questions: list[TrainQuestion], distractors: int, bos_id: int, rng: random.Random,
               no_answer: list[bool], end_weight: float = 1.0) -> Batch:
         return make_batch(questions, self.prompts, self.examples.passages, self.pool, distractors, bos_id, rng,
-                          no_answer, end_weight, self.lexicon)
+                          no_answer, end_weight, self.lexicon, self.end_twins)
 
 
 def batch_forward(model, batch: Batch, cache: ActivationCache, start: int, dtype: str, **targets):
@@ -124,9 +126,22 @@ def qa_loss(out, stats, targets: torch.Tensor, weights: torch.Tensor, no_answer:
     return total / weights.sum().clamp(min=1e-9)
 
 
-def batch_loss(model, batch: Batch, cache: ActivationCache, start: int, dtype: str) -> torch.Tensor:
+def pointer_loss(out, gold_entries: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """-log a_j of the exact entry each answer token (and the end) is copied from: the mixture alone credits
+    every entry that pastes the same token (" the" occurs everywhere), this names the position."""
+    known = gold_entries >= 0
+    log_a = out.copy_log_attention.gather(-1, gold_entries.clamp(min=0).unsqueeze(-1))[..., 0]  # (B, Q)
+    chosen = weights * known
+    return -(log_a.clamp(min=-30.0) * chosen).sum() / chosen.sum().clamp(min=1e-9)
+
+
+def batch_loss(model, batch: Batch, cache: ActivationCache, start: int, dtype: str,
+               pointer_weight: float = 0.0) -> torch.Tensor:
     out, _, stats = batch_forward(model, batch, cache, start, dtype, targets=batch.targets)
-    return qa_loss(out, stats, batch.targets, batch.weights, batch.no_answer)
+    loss = qa_loss(out, stats, batch.targets, batch.weights, batch.no_answer)
+    if pointer_weight:
+        loss = loss + pointer_weight * pointer_loss(out, batch.gold_entries, batch.weights)
+    return loss
 
 
 def visible_loss(model, tokenizer, example: VisibleExample, start: int, dtype: str) -> torch.Tensor:
@@ -223,7 +238,7 @@ def train_model(
         order = order[config.batch_size :]
         no_answer = [rng.random() < config.no_answer_fraction for _ in chosen]
         batch = data.batch(chosen, config.distractors, tokenizer.bos_token_id, rng, no_answer, config.end_weight)
-        loss = batch_loss(model, batch, data.cache, start, config.dtype)
+        loss = batch_loss(model, batch, data.cache, start, config.dtype, config.pointer_weight)
         optimizer.zero_grad()
         loss.backward()
         if config.visible_every and (step + 1) % config.visible_every == 0:

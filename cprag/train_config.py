@@ -22,6 +22,8 @@ class TrainConfig:
     batch_size: int = 16
     distractors: int = 4
     end_weight: float = 3.0
+    # weight of the position-exact pointer loss (-log attention on the entry each answer token comes from)
+    pointer_weight: float = 0.0
     # share of training questions asked with a memory that lacks their gold passage: stop at once, copy nothing
     no_answer_fraction: float = 0.2
     seed: int = 0
@@ -33,8 +35,10 @@ class TrainConfig:
     max_questions: int | None = None
     # blocks below this one are frozen and cached once (cprag.activations); adapters must sit at or above it
     cache_layer: int = 24
-    # what the cache and the training steps compute in: bf16 autocast on CPUs with bf16 matrix units, or fp32
+    # what the training steps and the activation cache compute in: bf16 autocast (the CPU's bf16 matrix units)
+    # or fp32; the cache keeps float16 either way
     dtype: str = "bfloat16"
+    cache_dtype: str = "bfloat16"
     # every `visible_every` steps (0: never), `visible_batch` questions also train the visible form: passages in
     # the prompt, copied from their prompt keys as visible decoding does (the frozen blocks run for each)
     visible_every: int = 0
@@ -53,12 +57,14 @@ class TrainConfig:
                   ("--batch-size", self.batch_size, self.batch_size >= 1),
                   ("--distractors", self.distractors, self.distractors >= 0),
                   ("--end-weight", self.end_weight, self.end_weight > 0),
+                  ("--pointer-weight", self.pointer_weight, self.pointer_weight >= 0),
                   ("--no-answer-fraction", self.no_answer_fraction, 0 <= self.no_answer_fraction < 1),
                   ("--validation-fraction", self.validation_fraction, 0 < self.validation_fraction < 1),
                   ("--max-steps", self.max_steps, self.max_steps is None or self.max_steps >= 1),
                   ("--max-questions", self.max_questions, self.max_questions is None or self.max_questions >= 1),
                   ("--cache-layer", self.cache_layer, self.cache_layer >= 0),
                   ("--dtype", self.dtype, self.dtype in DTYPES),
+                  ("--cache-dtype", self.cache_dtype, self.cache_dtype in DTYPES),
                   ("--visible-every", self.visible_every, self.visible_every >= 0),
                   ("--visible-batch", self.visible_batch, self.visible_batch >= 1)]
         for flag, value, ok in checks:

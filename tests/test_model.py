@@ -381,3 +381,26 @@ def test_end_twins_can_be_barred_entry_by_entry():
     a = model(inputs(26, batch=1, length=3), memory=memory).copy_log_attention[0].exp()
     twins = a[:, memory.size : 2 * memory.size]
     assert (twins[:, 2] == 0).all() and (twins[:, [0, 1, 3]] > 0).all()
+
+
+def test_adapters_start_as_no_edit_train_through_the_cp_head_and_merge_exactly():
+    from cprag.adapters import merge
+
+    plain, adapted = tiny_cplm(), tiny_cplm(adapter_layers=[1], adapter_rank=2)
+    adapted.load_state_dict(plain.state_dict(), strict=False)  # the same weights, plus adapters
+    x, doc = inputs(), inputs(3)
+    assert torch.allclose(plain(x, memory=plain.document_keys(doc)).log_probs,
+                          adapted(x, memory=adapted.document_keys(doc)).log_probs, atol=1e-6)
+    for p in adapted.backbone.parameters():
+        p.requires_grad_(False)
+    out = adapted(x, memory=adapted.document_keys(doc), targets=inputs(5))
+    out.loss.backward()
+    assert all(d.lora_B.grad is not None and d.lora_B.grad.abs().sum() > 0 for d in adapted.adapters.values())
+    with torch.no_grad():
+        for d in adapted.adapters.values():
+            d.lora_B.normal_(std=0.1)
+        before = adapted(x, memory=adapted.document_keys(doc)).log_probs
+        merge(adapted.backbone, adapted.adapters)
+        assert torch.allclose(adapted(x, memory=adapted.document_keys(doc)).log_probs, before, atol=1e-5)
+    with pytest.raises(ConfigError, match="adapter_layers"):
+        tiny_cplm(adapter_layers=[7])

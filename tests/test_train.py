@@ -50,7 +50,8 @@ def tiny_squad(path, missing_answer=True, unanswerable=False):
 HEAD = {"key_dim": 8, "doc_refine_layers": 1, "doc_refine_dim": 16, "end_entries": True, "successor_bias": True,
         "cp_layers": [1], "adapter_layers": [1], "adapter_rank": 4}
 SMOKE = TrainConfig(epochs=2, batch_size=4, distractors=2, lr=5e-3, adapter_lr=5e-3, validation_fraction=0.25,
-                    save_every=2, cache_layer=1, dtype="float32", no_answer_fraction=0.25, head=HEAD)
+                    save_every=2, cache_layer=1, dtype="float32", cache_dtype="float32", no_answer_fraction=0.25,
+                    head=HEAD)
 
 
 def smoke(**changes) -> TrainConfig:
@@ -61,8 +62,9 @@ def test_smoke_training_saves_a_loadable_checkpoint_with_metrics(tmp_path):
     write_tiny_gguf(tmp_path / "base.gguf")
     data = tiny_squad(tmp_path / "tiny.json")
     # 4 distractors, as `cprag eval squad --oracle` uses
-    metrics = train_checkpoint(data, tmp_path / "ckpt", smoke(distractors=4), base=gguf_reference(tmp_path / "base.gguf"),
-                               validation_questions=4, validation_modes=("hidden", "closed"))
+    metrics = train_checkpoint(data, tmp_path / "ckpt", smoke(distractors=4),
+                               base=gguf_reference(tmp_path / "base.gguf"), validation_questions=4,
+                               validation_modes=("hidden", "closed"))
     assert metrics["train/steps"] == 2 * (6 // 4) and metrics["qa/hidden/n"] == 2
     assert 0 <= metrics["qa/hidden/f1"] <= 100 and "qa/closed/em" in metrics
     assert 0 <= metrics["validation/tf/start"] <= 100 and 0 <= metrics["validation/tf/exact"] <= 100
@@ -274,3 +276,29 @@ def test_a_lever_screen_reports_teacher_forced_metrics_on_both_splits(tmp_path):
 def test_the_config_round_trips_through_json(tmp_path):
     config = smoke(max_questions=3)
     assert TrainConfig(**json.loads(json.dumps(asdict(config)))) == config
+
+
+def test_the_pointer_loss_names_the_exact_entry_of_each_answer_token(tmp_path):
+    import random
+
+    from cprag.train import batch_forward, pointer_loss
+
+    ready = prepared(tmp_path)
+    data = ready.train
+    chosen = data.examples.questions[:3]
+    batch = data.batch(chosen, 2, ready.tokenizer.bos_token_id, random.Random(0), [False, True, False])
+    width = batch.memory_ids.shape[1]
+    for row, q in enumerate(chosen):
+        entries = batch.gold_entries[row]
+        if row == 1:
+            assert (entries == -1).all()  # a no-answer question copies nothing
+            continue
+        n = len(q.answer_ids)
+        for step in range(n):  # entry e of the shared memory pastes passage token (e % width)
+            entry = int(entries[step])
+            assert batch.passage_keys[entry // width] == f"p/{q.passage_id}"
+            assert batch.memory_ids.reshape(-1)[entry + 1] == q.answer_ids[step]
+        assert entries[n] == batch.memory_ids.numel() + int(entries[n - 1]) + 1  # the end twin after the answer
+    with torch.no_grad():
+        out, _, _ = batch_forward(ready.model, batch, data.cache, 1, "float32")
+        assert pointer_loss(out, batch.gold_entries, batch.weights) > 0
