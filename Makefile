@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(CPRAG) index examples/corpus.jsonl --index $(DEMO_INDEX) --rebuild
 	$(CPRAG) ask "When was the lighthouse at Varna Point built?" --index $(DEMO_INDEX) -k 3
 	$(CPRAG) ask "Who designed the glass bridge of Tellin?" --index $(DEMO_INDEX) -k 3
+	$(CPRAG) ask "What is the capital of France?" --index $(DEMO_INDEX) -k 3
 
 test: $(STAMP)
 	$(PY) -m ruff check cprag tests pipelines eval

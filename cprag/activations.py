@@ -154,6 +154,9 @@ class ActivationCache:
     def complete(self) -> bool:
         return len(self.where) == sum(len(c) for c in self.plan["chunks"])
 
+    def length(self, key: str) -> int:
+        return self.where[key][2]
+
     def get(self, key: str) -> np.ndarray:
         array, offset, length = self.where[key]
         return array[offset : offset + length]

@@ -67,7 +67,8 @@ def distractor_pool(questions: list[TrainQuestion], passages: dict[str, PassageT
     for q in questions:
         same = [p for p in by_article[q.article] if p != q.passage_id]
         if len(same) < minimum:
-            same += [p for p in rng.sample(everything, min(len(everything), minimum + 1)) if p != q.passage_id]
+            extra = rng.sample(everything, min(len(everything), minimum + len(same) + 1))
+            same += [p for p in extra if p != q.passage_id and p not in same][: minimum - len(same)]
         pool[q.passage_id] = same
     return pool
 

@@ -40,6 +40,9 @@ def stored_state_dict(model) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint must hold: all of them, or only the trained ones when a base is referenced."""
     state = model.state_dict()
     if model.config.base_model is None:
+        if any(delta.merged for delta in (getattr(model, "adapters", None) or {}).values()):
+            raise CheckpointError(model.config.name_or_path or "<in memory>", "its adapters are merged into "
+                                  "backbone weights it would store: save it before merging")
         return state
     trained = set(model.config.trained_backbone_params)
     return {

@@ -114,6 +114,15 @@ def _entry_ids(model, memory: CopyMemory | None, context, width: int) -> torch.T
     return torch.cat([ids, ids.new_zeros(width - ids.shape[0])])
 
 
+def _without_stops(step: Step, stop: set[int], entry_ids: torch.Tensor) -> Step:
+    """The step with every way to end barred: the stop tokens' mixture mass, and the copy entries pasting them
+    ("end here" twins, own-context ends)."""
+    barred = torch.tensor(sorted(stop), device=step.log_probs.device)
+    ends = torch.isin(entry_ids, barred)
+    return Step(step.log_probs.index_fill(0, barred, NEG_INF), step.log_gate,
+                step.copy_log_attention.masked_fill(ends, NEG_INF))
+
+
 def first_token_confidence(step: Step, memory: CopyMemory, token: int) -> float:
     """g · Σ a_j over the passage entries that paste `token` (not their "end here" twins): how much of the first
     answer token's probability the copy path gives from the passages."""
@@ -213,14 +222,6 @@ def generate(
     step, context = Step.at(out, -1), out.context
     tokens: list[int] = []
     sources: list[tuple[int, int] | None] = []
-    confidence = None
-    if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
-        barred = torch.tensor(sorted(stop), device=device)
-        step = Step(step.log_probs.index_fill(0, barred, NEG_INF), step.log_gate, step.copy_log_attention)
-        confidence = first_token_confidence(step, memory, int(step.log_probs.argmax()))
-        if confidence < min_confidence:
-            return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(prompt), confidence=confidence,
-                              no_answer=True)
 
     def pick(step: Step, context, offset: int = 0) -> tuple[int, int | None]:
         """The next (token, external entry) at a step whose context ends `offset` positions before its last."""
@@ -228,6 +229,15 @@ def generate(
             token = int(step.log_probs.argmax())
             return token, _copied_source(step, token, memory)
         return _best_derivation(step, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]), memory)
+
+    confidence, first = None, None
+    if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
+        step = _without_stops(step, stop, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]))
+        first = pick(step, context)
+        confidence = first_token_confidence(step, memory, first[0])
+        if confidence < min_confidence:
+            return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(prompt), confidence=confidence,
+                              no_answer=True)
 
     def emit(token: int, entry: int | None) -> None:
         tokens.append(token)
@@ -240,7 +250,9 @@ def generate(
 
     entry = None
     while len(tokens) < max_new_tokens:
-        if entry is not None and word_goes_on(entry + 1):
+        if first is not None:
+            (token, entry), first = first, None
+        elif entry is not None and word_goes_on(entry + 1):
             entry = entry + 1
             token = int(memory.ids[0, entry])
         else:

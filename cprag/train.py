@@ -12,6 +12,7 @@ blocks above it run in every step, and their adapters (when configured) train th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from cprag.batches import (
     make_batch,
     make_visible_example,
 )
+from cprag.errors import CacheMismatch
 from cprag.features import Examples, TrainQuestion
 from cprag.generate import lexical_prior, prompt_passage_memory
 from cprag.model import CopyMemory
@@ -67,10 +69,17 @@ class TrainData:
     @classmethod
     def build(cls, model, tokenizer, examples: Examples, cache: ActivationCache, distractors: int, seed: int,
               questions: list[TrainQuestion] | None = None) -> TrainData:
-        """Keep the questions (default: all) whose sequence and passages are in the cache."""
+        """Keep the questions (default: all) whose sequence and passages are in the cache, which must hold them
+        as these examples tokenize them (a changed tokenizer or prompt would misalign every position)."""
         available = [q for q in (questions if questions is not None else examples.questions)
                      if f"q/{q.qid}" in cache and f"p/{q.passage_id}" in cache]
         passages = {pid: p for pid, p in examples.passages.items() if f"p/{pid}" in cache}
+        lengths = {f"q/{q.qid}": q.prompt_len + len(q.answer_ids) for q in available}
+        lengths.update({f"p/{pid}": len(p.ids) + 1 for pid, p in passages.items()})
+        stale = [key for key, n in lengths.items() if cache.length(key) != n]
+        if stale:
+            raise CacheMismatch(str(cache.directory), f"{len(stale)} sequences (e.g. {stale[0]}) have other "
+                                "lengths than these examples: remove the folder to rebuild it")
         kept = Examples(passages, available, examples.skipped)
         return cls(kept, cache, {q.qid: prompt_ids(tokenizer, q.question) for q in available},
                    Lexicon.build(model.config, tokenizer, available, passages),
@@ -152,8 +161,8 @@ def visible_loss(model, tokenizer, example: VisibleExample, start: int, dtype: s
         states = model.frozen_states(ids, mask, start)
     with compute_context(dtype):
         hidden, features = model.trained_states({k: v.float() for k, v in states.items()}, mask, start)
-        stats = lm_statistics(model, hidden, example.query_positions, example.targets)
     hidden, features = hidden.float(), features.float()
+    stats = lm_statistics(model, hidden, example.query_positions, example.targets)
     prompt = ids[:, : example.prompt_len]
     memory, _, _ = prompt_passage_memory(model, features[:, : example.prompt_len], prompt, example.spans,
                                          example.bodies)
@@ -218,9 +227,12 @@ def train_model(
     state_path = Path(out_dir) / STATE_FILE if out_dir else None
     if state_path:
         state_path.parent.mkdir(parents=True, exist_ok=True)
+    # a saved state resumes only the same run: same settings, same questions in the same order
+    run = {"config": asdict(config), "questions": hashlib.sha256("\n".join(q.qid for q in questions).encode())
+           .hexdigest()}
     if state_path and state_path.is_file():
         state = torch.load(state_path, weights_only=False)
-        if state["config"] == asdict(config):
+        if state["run"] == run:
             model.load_state_dict(state["model"], strict=False)
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
@@ -256,32 +268,37 @@ def train_model(
         if on_progress:
             on_progress(step, total, loss.item())
         if state_path and (step % config.save_every == 0 or step == total):
-            _save_state(state_path, model, optimizer, scheduler, rng, step, losses, order, visible, config)
+            _save_state(state_path, model, optimizer, scheduler, rng, step, losses, order, visible, run)
     model.eval()
     return TrainReport(steps=step, examples=len(questions), seconds=time.perf_counter() - started, losses=losses,
                        resumed_from=resumed_from, visible_examples=visible)
 
 
 def _article_grouped_order(questions: list[TrainQuestion], rng: random.Random) -> list[int]:
-    """A shuffled epoch in which neighbours share an article, so a batch shares its passages (hard distractors)."""
-    by_article: dict[str, list[int]] = {}
+    """A shuffled epoch in which neighbours share an article, and within it a passage: a batch then holds the
+    questions of a few passages of one article, which are each other's hard distractors, and its passages are
+    encoded once for all of them."""
+    by_article: dict[str, dict[str, list[int]]] = {}
     for index, q in enumerate(questions):
-        by_article.setdefault(q.article, []).append(index)
-    groups = list(by_article.values())
-    rng.shuffle(groups)
+        by_article.setdefault(q.article, {}).setdefault(q.passage_id, []).append(index)
+    articles = list(by_article.values())
+    rng.shuffle(articles)
     order = []
-    for group in groups:
-        rng.shuffle(group)
-        order.extend(group)
+    for passages in articles:
+        groups = list(passages.values())
+        rng.shuffle(groups)
+        for group in groups:
+            rng.shuffle(group)
+            order.extend(group)
     return order
 
 
-def _save_state(path: Path, model, optimizer, scheduler, rng, step, losses, order, visible, config) -> None:
+def _save_state(path: Path, model, optimizer, scheduler, rng, step, losses, order, visible, run) -> None:
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("backbone.")}
     staging = path.with_suffix(".tmp")
     torch.save({"model": trainable, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "losses": losses,
-                "order": order, "visible": visible, "config": asdict(config)}, staging)
+                "order": order, "visible": visible, "run": run}, staging)
     staging.replace(path)
 
 
