@@ -178,6 +178,8 @@ def test_a_checkpoint_that_differs_only_in_its_adapters_is_another_model(tmp_pat
     assert model_fingerprint(model) != model_fingerprint(plain)
     with pytest.raises(ModelMismatch):  # keys from a backbone the adapters changed
         Index(tmp_path / "idx", checkpoint=adapted)
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "adapted-idx", adapted, embedder)
+    assert Index(tmp_path / "adapted-idx", checkpoint=adapted).ask("When did the bridge open?", k=2).passages
     with torch.no_grad():  # training moved one adapter: another fingerprint, other keys
         moved = AutoModelForCausalLM.from_pretrained(adapted)
         moved.adapters["layer1_v_proj"].lora_B.fill_(0.05)
