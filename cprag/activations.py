@@ -178,14 +178,39 @@ class ActivationCache:
         return {layer: tensor[:, :, i] for i, layer in enumerate(self.layers)}, mask
 
 
-    def packed(self, keys: list[str]) -> tuple[dict[int, torch.Tensor], torch.Tensor, list[int]]:
-        """Several sequences packed into one row, no padding: ({layer: (1, T, H)} float32, position ids (1, T)
-        restarting at 0 for each sequence, their lengths)."""
+    def packed(self, keys: list[str], row_tokens: int = 512) -> tuple[dict[int, torch.Tensor], torch.Tensor,
+                                                                     list[tuple[int, int]]]:
+        """Several sequences packed into rows of about `row_tokens` tokens (first fit, longest first; a longer
+        sequence gets a row of its own), so that little is padding and attention stays within short rows.
+
+        Returns ({layer: (R, T, H)} float32, position ids (R, T) restarting at 0 for each sequence, and for each
+        key its (row, first column)). Row padding counts as one more sequence of its own.
+        """
         arrays = [self.get(k) for k in keys]
-        lengths = [a.shape[0] for a in arrays]
-        tensor = torch.from_numpy(np.concatenate(arrays)).float().unsqueeze(0)  # (1, T, S, H)
-        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        return {layer: tensor[:, :, i] for i, layer in enumerate(self.layers)}, positions, lengths
+        rows: list[list[int]] = []
+        fill: list[int] = []
+        placed: list[tuple[int, int]] = [(0, 0)] * len(keys)
+        for index in sorted(range(len(keys)), key=lambda i: -arrays[i].shape[0]):
+            length = arrays[index].shape[0]
+            row = next((r for r, used in enumerate(fill) if used + length <= row_tokens), None)
+            if row is None:
+                rows.append([])
+                fill.append(0)
+                row = len(rows) - 1
+            placed[index] = (row, fill[row])
+            rows[row].append(index)
+            fill[row] += length
+        width = max(fill)
+        batch = np.zeros((len(rows), width, len(self.layers), arrays[0].shape[-1]), dtype=np.float16)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, (row, first) in enumerate(placed):
+            length = arrays[index].shape[0]
+            batch[row, first : first + length] = arrays[index]
+            positions[row, first : first + length] = torch.arange(length)
+        for row, used in enumerate(fill):
+            positions[row, used:] = torch.arange(width - used)
+        tensor = torch.from_numpy(batch).float()
+        return {layer: tensor[:, :, i] for i, layer in enumerate(self.layers)}, positions, placed
 
 
 def cache_key(data_files: list[Path], fingerprint: str, layers: list[int], dtype: str, extra: str = "") -> str:

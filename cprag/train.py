@@ -49,10 +49,17 @@ def compute_context(dtype: str):
 
 
 def lm_statistics(model, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor):
-    """(logsumexp of the LM logits, LM logit of each target) at `positions` (B, Q) of hidden (B, L, H)."""
-    at = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, Q, H)
-    logits = model.lm_logits(at).float()  # (B, Q, V)
-    return torch.logsumexp(logits, -1), logits.gather(-1, targets.clamp(min=0).unsqueeze(-1))[..., 0]
+    """(logsumexp of the LM logits, LM logit of each target) at `positions` (B, Q) of hidden (B, L, H); zeros
+    where the target is padding (-100), which is never scored: the vocabulary matrix is built only where needed."""
+    valid = targets != -100  # (B, Q)
+    rows, columns = valid.nonzero(as_tuple=True)
+    at = hidden[rows, positions[rows, columns]]  # (K, H)
+    logits = model.lm_logits(at).float()  # (K, V)
+    lse = torch.zeros(targets.shape, dtype=logits.dtype, device=logits.device)
+    target = torch.zeros_like(lse)
+    lse = lse.index_put((rows, columns), torch.logsumexp(logits, -1))
+    target = target.index_put((rows, columns), logits.gather(-1, targets[rows, columns].unsqueeze(-1))[:, 0])
+    return lse, target
 
 
 @dataclass
@@ -113,14 +120,15 @@ def batch_forward(model, batch: Batch, cache: ActivationCache, start: int, dtype
 
 def packed_features(model, cache: ActivationCache, keys: list[str], start: int, dtype: str,
                     width: int) -> torch.Tensor:
-    """CP-head input of several cached sequences, run packed in one row (no padding), returned right padded to
-    `width`: (N, width, C) float32."""
-    states, positions, lengths = cache.packed(keys)
+    """CP-head input of several cached sequences, run packed into short rows (little padding, attention within a
+    row), returned right padded to `width`: (N, width, C) float32."""
+    states, positions, placed = cache.packed(keys)
     with compute_context(dtype):
         _, features = model.trained_states(states, None, start, position_ids=positions)
-    rows = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     out = features.new_zeros((len(keys), width, features.shape[-1]), dtype=torch.float32)
-    out[rows, positions[0]] = features[0].float()
+    for index, (row, first) in enumerate(placed):
+        length = cache.length(keys[index])
+        out[index, :length] = features[row, first : first + length].float()
     return out
 
 

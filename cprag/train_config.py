@@ -19,7 +19,7 @@ class TrainConfig:
     # scalars (successor bias, sink bias, the <copy> bias) must travel several nats, and Adam moves a parameter
     # by about lr per step: they get lr times this
     scalar_lr_scale: float = 50.0
-    batch_size: int = 16
+    batch_size: int = 32
     distractors: int = 4
     end_weight: float = 3.0
     # weight of the position-exact pointer loss (-log attention on the entry each answer token comes from)
