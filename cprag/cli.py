@@ -79,6 +79,10 @@ def model_command(
         "key_dim": model.config.key_dim,
         "parameters": sum(p.numel() for p in model.parameters()),
         "cp_head_parameters": sum(p.numel() for p in model.cp_head.parameters()) + model.copy_gate.weight.numel() + 1,
+        "adapters": None if model.adapters is None else {
+            "layers": model.config.adapter_layers, "rank": model.config.adapter_rank,
+            "parameters": sum(p.numel() for p in model.adapters.parameters())},
+        "min_confidence": model.config.min_confidence,
         "load_seconds": round(time.perf_counter() - start, 2),
     }
     if bench:

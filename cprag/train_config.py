@@ -23,7 +23,7 @@ class TrainConfig:
     distractors: int = 4
     end_weight: float = 3.0
     # weight of the position-exact pointer loss (-log attention on the entry each answer token comes from)
-    pointer_weight: float = 0.0
+    pointer_weight: float = 1.0
     # share of training questions asked with a memory that lacks their gold passage: stop at once, copy nothing
     no_answer_fraction: float = 0.2
     seed: int = 0

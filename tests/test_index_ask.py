@@ -178,6 +178,9 @@ def test_a_checkpoint_that_differs_only_in_its_adapters_is_another_model(tmp_pat
     assert model_fingerprint(model) != model_fingerprint(plain)
     with pytest.raises(ModelMismatch):  # keys from a backbone the adapters changed
         Index(tmp_path / "idx", checkpoint=adapted)
+    described = json.loads(CliRunner().invoke(app, ["model", "--checkpoint", str(adapted), "--json"]).stdout)
+    assert described["adapters"]["layers"] == [1] and described["adapters"]["parameters"] > 0
+    assert described["fingerprint"] == model_fingerprint(model)
     index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "adapted-idx", adapted, embedder)
     assert Index(tmp_path / "adapted-idx", checkpoint=adapted).ask("When did the bridge open?", k=2).passages
     with torch.no_grad():  # training moved one adapter: another fingerprint, other keys
