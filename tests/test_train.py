@@ -302,3 +302,12 @@ def test_the_pointer_loss_names_the_exact_entry_of_each_answer_token(tmp_path):
     with torch.no_grad():
         out, _, _ = batch_forward(ready.model, batch, data.cache, 1, "float32")
         assert pointer_loss(out, batch.gold_entries, batch.weights) > 0
+
+
+def test_adapter_layers_flag_parses_ranges_lists_and_none():
+    from cprag.cli import parse_layers
+
+    assert parse_layers("24-29") == [24, 25, 26, 27, 28, 29]
+    assert parse_layers("24,26, 28") == [24, 26, 28] and parse_layers("none") == []
+    with pytest.raises(ConfigError, match="--adapter-layers"):
+        parse_layers("top")
