@@ -41,11 +41,11 @@ class TrainConfig:
     cache_dtype: str = "bfloat16"
     # every `visible_every` steps (0: never), `visible_batch` questions also train the visible form: passages in
     # the prompt, copied from their prompt keys as visible decoding does (the frozen blocks run for each)
-    visible_every: int = 0
+    visible_every: int = 8
     visible_batch: int = 2
     head: dict = field(default_factory=lambda: {
         "key_dim": 64, "key_sees_token": False, "doc_refine_layers": 1, "doc_refine_dim": 128,
-        "end_entries": True, "successor_bias": True, "cp_layers": [8, 16, 24], "doc_lookahead": 0,
+        "end_entries": True, "successor_bias": True, "cp_layers": [8, 16, 24], "doc_lookahead": 2,
         "lexical_prior": True, "lexical_windows": [3, 12, 40], "lexical_sentences": True, "lexical_types": True,
         "copied_span_ends": "successor", "adapter_layers": [24, 25, 26, 27, 28, 29], "adapter_rank": 16,
     })
