@@ -107,7 +107,7 @@ def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -
             if clear:
                 index.cache.entries.clear()
                 index.cache.bytes = 0
-            index.ask(question, k=min(k, len(index)), max_new_tokens=new_tokens)
+            index.ask(question, k=min(k, len(index)), max_new_tokens=new_tokens, min_confidence=0.0)
         return len(questions) / (time.perf_counter() - start)
 
     cold = run(clear=True)

@@ -39,6 +39,9 @@ class CPLMConfig(PreTrainedConfig):
     cp_layers: list[int] | None = None
     # width of a GELU layer inside the query and key projections (0: linear projections)
     head_mlp_dim: int = 0
+    # a second query matched against the average of the stored keys within this many entries of each entry (0: off):
+    # the context of a candidate, scored with its own query, beside the candidate's key itself
+    key_context: int = 0
     # "end after this token" entries: a second query over the same stored keys, pasting the end-of-turn token
     end_entries: bool = False
     # learned bias toward the entry right after the one just copied from (continue the span, or end it there)
@@ -95,6 +98,8 @@ class CPLMConfig(PreTrainedConfig):
             raise ConfigError("head_mlp_dim", self.head_mlp_dim, "must be >= 0")
         if self.copied_span_ends not in ("anywhere", "successor"):
             raise ConfigError("copied_span_ends", self.copied_span_ends, "must be 'anywhere' or 'successor'")
+        if self.key_context < 0:
+            raise ConfigError("key_context", self.key_context, "must be >= 0")
         if self.doc_lookahead < 0:
             raise ConfigError("doc_lookahead", self.doc_lookahead, "must be >= 0")
         if self.adapter_layers:

@@ -156,6 +156,16 @@ class QueryRefiner(nn.Module):
         return out.gather(1, (positions - low).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
 
 
+def key_context(keys: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tensor:
+    """The mean of the attendable keys within `width` entries of each entry: keys (B|1, M, D), mask (B|1, M)
+    bool -> (B|1, M, D). Entries of other passages count too where passages sit side by side (decoding)."""
+    weights = mask.to(keys.dtype).unsqueeze(1)  # (B, 1, M)
+    summed = nn.functional.avg_pool1d(keys.transpose(1, 2) * weights, 2 * width + 1, stride=1, padding=width,
+                                      count_include_pad=False)
+    counts = nn.functional.avg_pool1d(weights, 2 * width + 1, stride=1, padding=width, count_include_pad=False)
+    return (summed / counts.clamp(min=1e-6)).transpose(1, 2)
+
+
 def projection(inputs: int, outputs: int, mlp_dim: int) -> nn.Module:
     """A linear map, or a one-hidden-layer GELU MLP when `mlp_dim` > 0."""
     if not mlp_dim:
@@ -180,6 +190,7 @@ class CopyHead(nn.Module):
         self.sink_bias = nn.Parameter(torch.zeros(()))
         self.paste_embedding = nn.Embedding(config.vocab_size, key_dim) if config.key_sees_token else None
         self.end_q_proj = projection(hidden_size, key_dim, config.head_mlp_dim) if config.end_entries else None
+        self.context_q_proj = projection(hidden_size, key_dim, config.head_mlp_dim) if config.key_context else None
         self.successor = nn.Parameter(torch.zeros(2)) if config.successor_bias else None  # (continue, end)
         # weights of the lexical features (cprag.lexical) for copy entries and for their "end here" twins
         features = feature_count(config.lexical_window_sizes, config.lexical_sentences, config.lexical_types,
@@ -266,7 +277,7 @@ class CPLMPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         if isinstance(module, CopyHead):
             std = self.config.backbone_config.initializer_range
-            for proj in (module.q_proj, module.k_proj, module.end_q_proj):
+            for proj in (module.q_proj, module.k_proj, module.end_q_proj, module.context_q_proj):
                 linears = [] if proj is None else [m for m in proj.modules() if isinstance(m, nn.Linear)]
                 for depth, linear in enumerate(linears):  # the input layer at the backbone's scale
                     nn.init.normal_(linear.weight, std=std if depth == 0 else 1 / math.sqrt(linear.in_features))
@@ -411,21 +422,25 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             keys = keys + self.cp_head.doc_refiner(cp_hidden, mask)
         return CopyMemory(keys=keys, ids=paste_ids, mask=mask)
 
-    def external_scores(self, queries, end_queries, memory: CopyMemory, prev_source: torch.Tensor | None):
-        """Scores of the external entries, then of their "end here" twins when enabled, with the successor bias
-        and the lexical prior.
+    def external_scores(self, queries, end_queries, memory: CopyMemory, prev_source: torch.Tensor | None,
+                        context_queries: torch.Tensor | None = None):
+        """Scores of the external entries, then of their "end here" twins when enabled, with the successor bias,
+        the lexical prior and the key-context match.
 
-        queries, end_queries (B, T, D) (end_queries None without end entries); prev_source (B, T): the external
-        entry the previous token was copied from, or -1.
+        queries, end_queries, context_queries (B, T, D) (None when not configured); prev_source (B, T): the
+        external entry the previous token was copied from, or -1.
         Returns scores (B, T, E), paste ids (B, E), allowed (B, T, E) with E = M, or 2M (continue, then end).
         """
         batch, steps = queries.shape[:2]
         keys = memory.keys.expand(batch, -1, -1)
         ids = memory.ids.expand(batch, -1)
-        mask = memory.mask if memory.mask is not None else torch.ones_like(memory.ids, dtype=torch.bool)
-        mask = mask.expand(batch, -1).unsqueeze(1).expand(-1, steps, -1)
+        entry_mask = memory.mask if memory.mask is not None else torch.ones_like(memory.ids, dtype=torch.bool)
+        mask = entry_mask.expand(batch, -1).unsqueeze(1).expand(-1, steps, -1)
         head = self.cp_head
         parts, part_ids = [head.scores(queries, keys)], [ids]
+        if context_queries is not None:
+            context = key_context(memory.keys, entry_mask, self.config.key_context)  # (B|1, M, D)
+            parts[0] = parts[0] + head.scores(context_queries, context.expand(batch, -1, -1))
         if end_queries is not None:
             parts.append(head.scores(end_queries, keys))
             part_ids.append(torch.full_like(ids, self.config.end_id))
@@ -531,7 +546,9 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         ids = ctx_ids
         if memory is not None:
             end_queries = head.end_queries(cp_hidden, refined) if head.end_q_proj is not None else None
-            ext_scores, ext_ids, ext_allowed = self.external_scores(queries, end_queries, memory, prev_source)
+            context_queries = head.context_q_proj(cp_hidden) if head.context_q_proj is not None else None
+            ext_scores, ext_ids, ext_allowed = self.external_scores(queries, end_queries, memory, prev_source,
+                                                                    context_queries)
             scores = torch.cat([ext_scores, scores], dim=-1)
             ids = torch.cat([ext_ids, ids], dim=-1)
             allowed = torch.cat([ext_allowed, allowed], dim=-1)  # (B, T, E+P+T)

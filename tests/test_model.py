@@ -404,3 +404,20 @@ def test_adapters_start_as_no_edit_train_through_the_cp_head_and_merge_exactly()
         assert torch.allclose(adapted(x, memory=adapted.document_keys(doc)).log_probs, before, atol=1e-5)
     with pytest.raises(ConfigError, match="adapter_layers"):
         tiny_cplm(adapter_layers=[7])
+
+
+def test_key_context_matches_the_mean_of_nearby_keys_within_the_mask():
+    from cprag.model import key_context
+
+    keys = torch.arange(6, dtype=torch.float32).view(1, 6, 1).expand(1, 6, 2)
+    mask = torch.tensor([[True, True, True, True, False, False]])
+    context = key_context(keys, mask, 1)[0, :, 0]
+    assert torch.allclose(context[:4], torch.tensor([0.5, 1.0, 2.0, 2.5]))  # padding (entries 4, 5) left out
+    model = tiny_cplm(key_context=2, end_entries=True)
+    memory = model.document_keys(inputs(3, batch=1, length=10))
+    out = model(inputs(), memory=memory)
+    assert torch.allclose(out.log_probs.exp().sum(-1), torch.ones(2, 12), atol=1e-5)
+    base = model.cp_head.context_q_proj.weight.detach().clone()
+    out.log_probs[..., 5].sum().backward()
+    assert model.cp_head.context_q_proj.weight.grad.abs().sum() > 0 and torch.equal(
+        base, model.cp_head.context_q_proj.weight)
