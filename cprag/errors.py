@@ -89,3 +89,13 @@ class CacheMismatch(CpragError):
     def __init__(self, path: str, reason: str):
         self.path, self.reason = path, reason
         super().__init__(f"activation cache {path}: {reason}")
+
+
+class IndexLocked(CpragError):
+    """Another process is writing the index (it holds the index's writer lock)."""
+
+    def __init__(self, lock_path: str, pid: int | None, host: str | None = None):
+        self.lock_path, self.pid, self.host = lock_path, pid, host
+        who = f"process {pid}" + (f" on {host}" if host else "") if pid else "another process"
+        super().__init__(f"{who} is writing this index (lock {lock_path}); wait for it to finish, or stop it "
+                         "(a killed writer's lock is taken over by the next run)")

@@ -12,6 +12,7 @@ from cprag.checkpoint import model_fingerprint
 from cprag.corpus import Passage, Skipped, read_corpus, split_document
 from cprag.encode import encode_passages, tokenize_passage
 from cprag.errors import ConfigError, CorpusError
+from cprag.lock import WriteLock
 from cprag.retrieve import PassageIndex, passage_text_for_retrieval
 from cprag.store import (
     FORMAT_VERSION,
@@ -78,7 +79,8 @@ def build_index(
     """Index a corpus into `index_dir`, adding only new or changed documents (upsert by id).
 
     `on_progress(stage, done, total)` reports progress. An interrupted run keeps every committed chunk; the next
-    run picks up where it stopped. The model fingerprint is checked before anything is written.
+    run picks up where it stopped. The model fingerprint is checked before anything is written, and a second
+    writer on the same directory is refused (`IndexLocked`) before it touches anything.
     """
     config = config or IndexConfig()
     started = time.perf_counter()
@@ -93,6 +95,16 @@ def build_index(
     documents_read = read_corpus(corpus)  # raises before anything stored is touched
     if not documents_read.documents:
         raise CorpusError(str(corpus), f"no readable documents ({len(documents_read.skipped)} skipped)")
+    with WriteLock(index_dir):
+        return _build_locked(documents_read, index_dir, model, tokenizer, embedder, config, fingerprint, started,
+                             on_progress)
+
+
+def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, config: IndexConfig,
+                  fingerprint: str, started: float, on_progress) -> IndexReport:
+    if not config.rebuild and (index_dir / MANIFEST).is_file():
+        # again under the lock: the writer that held it may have changed the manifest meanwhile
+        check_model(index_dir, read_manifest(index_dir), fingerprint)
     if config.rebuild and index_dir.exists():
         for name in ("lancedb", "faiss.index", "faiss_ids.json", MANIFEST):
             target = index_dir / name

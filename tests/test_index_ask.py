@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from cprag.api import Index
 from cprag.checkpoint import load_model, model_fingerprint, new_cplm
 from cprag.cli import app
-from cprag.errors import IndexCorrupt, ModelMismatch, QuestionTooLong, TooFewPassages
+from cprag.errors import IndexCorrupt, IndexLocked, ModelMismatch, QuestionTooLong, TooFewPassages
 from cprag.generate import generate
 from cprag.indexing import IndexConfig, build_index
 from cprag.retrieve import MiniLMEmbedder
@@ -154,6 +154,66 @@ build_index({str(corpus)!r}, {str(tmp_path / 'idx')!r}, model, tokenizer, MiniLM
     assert len(stored_rows(tmp_path / "idx")) == 3
     resumed = index_corpus(corpus, tmp_path / "idx", checkpoint, embedder)
     assert resumed.encoded == 2 and len(stored_rows(tmp_path / "idx")) == 5
+
+
+def _writer_script(checkpoint, corpus, index_dir, marker, pause):
+    """A `build_index` in another process that marks its first committed chunk and then writes slowly."""
+    return f"""
+import pathlib, time
+from cprag.checkpoint import load_model
+from cprag.indexing import IndexConfig, build_index
+from cprag.retrieve import MiniLMEmbedder
+model, tokenizer = load_model({str(checkpoint)!r})
+def slow(stage, done, total):
+    pathlib.Path({str(marker)!r}).write_text(str(done))
+    time.sleep({pause})
+build_index({str(corpus)!r}, {str(index_dir)!r}, model, tokenizer, MiniLMEmbedder(),
+            IndexConfig(120, chunk_passages=1), on_progress=slow)
+"""
+
+
+def _wait_for(path, process, seconds=120):
+    import time
+
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.time() < deadline, "the writer never started"
+        time.sleep(0.1)
+
+
+def test_a_second_writer_is_refused_at_once_and_the_first_finishes_clean(tmp_path, checkpoint, embedder):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    index_corpus(corpus, tmp_path / "clean", checkpoint, embedder)
+    index_dir, marker = tmp_path / "idx", tmp_path / "started"
+    first = subprocess.Popen([sys.executable, "-c", _writer_script(checkpoint, corpus, index_dir, marker, 0.5)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(marker, first)
+    with pytest.raises(IndexLocked) as refused:
+        index_corpus(corpus, index_dir, checkpoint, embedder)
+    assert refused.value.pid == first.pid and refused.value.lock_path.endswith(".write.lock")
+    result = CliRunner().invoke(app, ["index", str(corpus), "--index", str(index_dir), "--max-passage-tokens",
+                                      "120", "--checkpoint", str(checkpoint)])
+    assert result.exit_code == 1 and f"process {first.pid}" in result.output and ".write.lock" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert first.wait(timeout=120) == 0, first.communicate()
+    assert stored_rows(index_dir) == stored_rows(tmp_path / "clean")  # the refused writer changed nothing
+    again = index_corpus(corpus, index_dir, checkpoint, embedder)  # the lock was released at the end
+    assert again.encoded == 0
+
+
+def test_the_lock_of_a_killed_writer_is_taken_over(tmp_path, checkpoint, embedder):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    index_dir, marker = tmp_path / "idx", tmp_path / "started"
+    writer = subprocess.Popen([sys.executable, "-c", _writer_script(checkpoint, corpus, index_dir, marker, 30)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(marker, writer)
+    writer.kill()
+    writer.wait()
+    assert json.loads((index_dir / ".write.lock").read_text())["pid"] == writer.pid  # stale file left behind
+    resumed = index_corpus(corpus, index_dir, checkpoint, embedder)
+    assert resumed.unchanged == 1 and resumed.encoded == 4
+    assert json.loads((index_dir / "manifest.json").read_text())["status"] == "complete"
 
 
 def test_an_index_built_by_another_model_is_refused_and_left_intact(tmp_path, checkpoint, embedder):
