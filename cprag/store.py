@@ -12,8 +12,8 @@ rerun skips them. The manifest's "status" stays "building" until the FAISS index
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
