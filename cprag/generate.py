@@ -51,6 +51,9 @@ class Generation:
     # that paste it (None without passages); below `min_confidence` the answer is withheld (`no_answer`)
     confidence: float | None = None
     no_answer: bool = False
+    # the probability of ending at once, before ending is barred: what no-answer training teaches (None
+    # without passages)
+    stop_probability: float | None = None
 
     @property
     def copy_rate(self) -> float:
@@ -230,14 +233,15 @@ def generate(
             return token, _copied_source(step, token, memory)
         return _best_derivation(step, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]), memory)
 
-    confidence, first = None, None
+    confidence, first, stop_probability = None, None, None
     if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
+        stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
         step = _without_stops(step, stop, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]))
         first = pick(step, context)
         confidence = first_token_confidence(step, memory, first[0])
         if confidence < min_confidence:
             return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(prompt), confidence=confidence,
-                              no_answer=True)
+                              no_answer=True, stop_probability=stop_probability)
 
     def emit(token: int, entry: int | None) -> None:
         tokens.append(token)
@@ -280,7 +284,7 @@ def generate(
         step, context = Step.at(out, kept), _rewind(out.context, len(draft) - kept)
     generation = Generation(
         answer=tokenizer.decode(tokens, skip_special_tokens=True).strip(), token_ids=tokens, sources=sources,
-        prompt_tokens=len(prompt), confidence=confidence,
+        prompt_tokens=len(prompt), confidence=confidence, stop_probability=stop_probability,
     )
     generation.citations = citations(generation, passages) if memory is not None else []
     return generation

@@ -58,3 +58,24 @@ def best_threshold(confidences: list[float], answerable: list[bool], scores: lis
         if current > best:
             best, threshold = current, confidences[index]
     return 100.0 * best / max(1, len(confidences)), threshold
+
+
+def threshold_within(confidences: list[float], answerable: list[bool], scores: list[float],
+                     max_drop: float) -> float:
+    """The highest confidence threshold (answer when confidence >= it) whose HasAns score stays within
+    `max_drop` points (percent) of answering every question: as many answers withheld as that budget allows.
+    `scores` are each question's score (0..1) when answered. Where the confidence separates answerable from
+    unanswerable questions poorly, the official best-F1 threshold withholds almost every answer (saying "no
+    answer" to all of a half-unanswerable set scores 50); this one bounds what abstention costs the answerable
+    questions. 0.0 (answer always) when no threshold fits the budget."""
+    has = sorted((c, s) for c, a, s in zip(confidences, answerable, scores, strict=True) if a)
+    budget = max_drop / 100.0 * len(has)
+    lost, threshold = 0.0, 0.0
+    for index, (confidence, score) in enumerate(has):  # withhold the least confident answers first
+        lost += score
+        if lost > budget + 1e-9:
+            break
+        following = has[index + 1][0] if index + 1 < len(has) else confidence + 1e-6
+        if following > confidence:  # a threshold can only fall between distinct confidences
+            threshold = following
+    return threshold

@@ -32,6 +32,7 @@ class QAResult:
     passages: list[str]
     confidence: float | None = None  # the copy path's probability of the first answer token (with passages)
     no_answer: bool = False  # withheld: confidence below the threshold
+    stop_probability: float | None = None  # the probability of ending at once (with passages)
 
 
 def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int, rng: random.Random) -> list[str]:
@@ -91,6 +92,7 @@ def evaluate_oracle(
                 qid=example.qid, mode=mode, question=example.question, prediction=generation.answer,
                 references=example.answers, em=100 * em, f1=100 * f1, copy_rate=generation.copy_rate,
                 latency_ms=(time.perf_counter() - tick) * 1000, passages=chosen, confidence=generation.confidence,
+                stop_probability=generation.stop_probability,
                 no_answer=generation.no_answer,
             )
             results.append(result)

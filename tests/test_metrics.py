@@ -2,7 +2,14 @@
 
 import pytest
 
-from cprag.metrics import best_threshold, exact_match, f1, normalize_answer, squad2_question_scores
+from cprag.metrics import (
+    best_threshold,
+    exact_match,
+    f1,
+    normalize_answer,
+    squad2_question_scores,
+    threshold_within,
+)
 
 
 def test_normalisation_drops_case_punctuation_articles_and_extra_space():
@@ -39,3 +46,14 @@ def test_best_threshold_is_the_official_search_over_confidences():
     # The first best (the highest threshold reaching it) wins, as in the official script
     assert best == 75.0 and threshold == 0.9
     assert best_threshold([0.5], [False], [0.0], [True]) == (100.0, float("inf"))  # never answering is best
+
+
+def test_threshold_within_bounds_what_abstention_costs_the_answerable_questions():
+    # answerable: confidences 0.1 (wrong), 0.2 (right), 0.3 (right), 0.4 (right); one unanswerable at 0.05
+    confidences, answerable = [0.1, 0.2, 0.3, 0.4, 0.05], [True, True, True, True, False]
+    scores = [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert threshold_within(confidences, answerable, scores, 0.0) == 0.2  # withholding a wrong answer is free
+    assert threshold_within(confidences, answerable, scores, 25.0) == 0.3  # one right answer of four: 25 points
+    assert threshold_within(confidences, answerable, scores, 24.0) == 0.2
+    assert threshold_within([0.5, 0.5], [True, True], [1.0, 1.0], 60.0) == 0.0  # ties withhold both or neither
+    assert threshold_within([0.5, 0.5], [True, True], [1.0, 1.0], 100.0) > 0.5
