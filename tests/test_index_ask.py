@@ -285,6 +285,8 @@ def test_citation_spans_equal_the_copied_text(tmp_path, copying_checkpoint, embe
         assert not plain.citations and not any(plain.sources)
     copied = [(t, s) for t, s in zip(generation.token_ids, generation.sources, strict=True) if s is not None]
     assert copied and generation.citations
+    # the head copies everything, so ending at once can only come from the "end here" twins' share
+    assert 0.0 <= generation.stop_probability < 1.0
     for token, (passage, position) in copied:  # every copied token is the stored token it points at
         assert passages[passage].passage.keys.ids[position] == token
     runs = []  # rebuild the runs of consecutive copies and compare each with its citation
