@@ -82,6 +82,8 @@ class Index:
         tuned on SQuAD 2.0) are withheld as "no answer"."""
         if mode not in MODES:
             raise ConfigError("--mode", mode, f"expected one of {', '.join(MODES)}")
+        if not any(ch.isprintable() and not ch.isspace() for ch in question):
+            raise ConfigError("question", question, "is empty (nothing but spaces or control characters)")
         threshold = self.model.config.min_confidence if min_confidence is None else min_confidence
         if not 0.0 <= threshold <= 1.0:
             raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")

@@ -375,6 +375,8 @@ def test_bad_input_gets_one_line_errors_and_keeps_the_index(tmp_path, checkpoint
         (["index", str(tmp_path / "empty.jsonl"), "--index", str(index_dir), "--max-passage-tokens", "120", *base],
          "empty"),
         (["info", "--index", str(tmp_path / "nowhere")], "no cprag index"),
+        (["ask", "  ", "--index", str(index_dir), *base], "is empty"),
+        (["ask", "\x01\x02\x1b", "--index", str(index_dir), *base], "is empty"),
     ]
     (tmp_path / "empty.jsonl").write_text("")
     for args, message in cases:
