@@ -79,8 +79,8 @@ def build_index(
     """Index a corpus into `index_dir`, adding only new or changed documents (upsert by id).
 
     `on_progress(stage, done, total)` reports progress. An interrupted run keeps every committed chunk; the next
-    run picks up where it stopped. The model fingerprint is checked before anything is written, and a second
-    writer on the same directory is refused (`IndexLocked`) before it touches anything.
+    run picks up where it stopped. A second writer on the same directory is refused (`IndexLocked`), and the model
+    fingerprint is checked under the lock, both before anything is written.
     """
     config = config or IndexConfig()
     started = time.perf_counter()
@@ -89,9 +89,6 @@ def build_index(
     if config.max_passage_tokens >= window:
         raise ConfigError("--max-passage-tokens", config.max_passage_tokens, f"must be below the window ({window})")
     fingerprint = model_fingerprint(model)
-    if not config.rebuild and (index_dir / MANIFEST).is_file():
-        check_model(index_dir, read_manifest(index_dir), fingerprint)
-
     documents_read = read_corpus(corpus)  # raises before anything stored is touched
     if not documents_read.documents:
         raise CorpusError(str(corpus), f"no readable documents ({len(documents_read.skipped)} skipped)")
@@ -102,8 +99,7 @@ def build_index(
 
 def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, config: IndexConfig,
                   fingerprint: str, started: float, on_progress) -> IndexReport:
-    if not config.rebuild and (index_dir / MANIFEST).is_file():
-        # again under the lock: the writer that held it may have changed the manifest meanwhile
+    if not config.rebuild and (index_dir / MANIFEST).is_file():  # under the lock: no writer can change it now
         check_model(index_dir, read_manifest(index_dir), fingerprint)
     if config.rebuild and index_dir.exists():
         for name in ("lancedb", "faiss.index", "faiss_ids.json", MANIFEST):

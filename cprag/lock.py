@@ -2,7 +2,7 @@
 
 The lock is `flock` on an open file, so the kernel drops it the moment its holder exits, however it exits
 (SIGKILL included): a lock file left by a killed process is stale by construction and the next writer takes it
-over. The file itself only says who holds or last held the lock (pid, host, start time), for the error message.
+over. The file itself only says who holds or last held the lock (pid and host), for the error message.
 Readers never take it; they rely on the manifest's `status` and LanceDB's committed versions.
 """
 
@@ -55,10 +55,6 @@ class WriteLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
     def __enter__(self) -> WriteLock:
         return self.acquire()

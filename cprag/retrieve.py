@@ -118,10 +118,11 @@ class PassageIndex:
             ids = json.loads((directory / FAISS_IDS).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise IndexCorrupt(str(directory), f"{FAISS_IDS} is not valid JSON; {fix}") from None
-        if not isinstance(ids, list) or index.ntotal != len(ids):
-            count = len(ids) if isinstance(ids, list) else "no list of"
+        if not isinstance(ids, list):
+            raise IndexCorrupt(str(directory), f"{FAISS_IDS} is not a list of passage ids; {fix}")
+        if index.ntotal != len(ids):
             raise IndexCorrupt(str(directory), f"{FAISS_FILE} holds {index.ntotal} vectors but {FAISS_IDS} "
-                               f"{count} passage ids; {fix}")
+                               f"{len(ids)} passage ids; {fix}")
         return cls(_faiss_to_gpu(index) if use_gpu else index, ids)
 
     def __len__(self) -> int:

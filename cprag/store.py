@@ -112,17 +112,15 @@ class PassageStore:
         self.embedding_dim = embedding_dim
         try:
             self.db = lancedb.connect(str(self.path / "lancedb"))
-            if TABLE in self.db.list_tables().tables:
-                self.table = self.db.open_table(TABLE)
-            elif create:
-                self.table = self.db.create_table(TABLE, schema=passage_schema(embedding_dim))
-            else:
-                raise IndexCorrupt(str(path), "the passages table lancedb/passages is missing; "
-                                   + REBUILD.format(path=path))
-        except IndexCorrupt:
-            raise
+            exists = TABLE in self.db.list_tables().tables
+            if exists or create:
+                self.table = (self.db.open_table(TABLE) if exists
+                              else self.db.create_table(TABLE, schema=passage_schema(embedding_dim)))
         except Exception as error:  # lance reports damaged files as OSError / RuntimeError / ValueError
             raise self.unreadable(error) from None
+        if not (exists or create):
+            raise IndexCorrupt(str(path), "the passages table lancedb/passages is missing; "
+                               + REBUILD.format(path=path))
 
     def unreadable(self, error: Exception) -> IndexCorrupt:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
