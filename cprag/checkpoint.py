@@ -53,18 +53,35 @@ def stored_state_dict(model) -> dict[str, torch.Tensor]:
 
 def load_on_base(cls, path: str | Path, config: CPLMConfig):
     """Rebuild a base-referencing checkpoint: base backbone from its GGUF, then the stored tensors on top."""
+    if not (Path(path) / WEIGHTS).is_file():
+        raise CheckpointError(str(path), f"{WEIGHTS} is missing")  # before the backbone load
+    backbone, _ = load_backbone(BaseReference.from_dict(config.base_model))
+    model = cls(config, backbone=backbone)
+    load_trained_tensors(model, path)
+    return model.eval()
+
+
+def load_trained_tensors(model, path: str | Path, fields: tuple[str, ...] = ()) -> None:
+    """Put a base-referencing checkpoint's stored tensors (head, adapters) into `model`, whose config must
+    describe the same tensors and agree on `fields`: how `cprag train --init-from` continues a finished run."""
     weights = Path(path) / WEIGHTS
     if not weights.is_file():
         raise CheckpointError(str(path), f"{WEIGHTS} is missing")
-    backbone, _ = load_backbone(BaseReference.from_dict(config.base_model))
-    model = cls(config, backbone=backbone)
+    stored_config = CPLMConfig.from_pretrained(path)
+    for field in fields:
+        theirs, ours = getattr(stored_config, field, None), getattr(model.config, field, None)
+        if json.dumps(theirs) != json.dumps(ours):
+            raise CheckpointError(str(path), f"its {field} is {theirs!r}, this run's is {ours!r}")
     stored = load_file(weights)
-    expected = set(stored_state_dict(model))
-    if set(stored) != expected:
-        missing, extra = sorted(expected - set(stored)), sorted(set(stored) - expected)
+    expected = stored_state_dict(model)
+    if set(stored) != set(expected):
+        missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
         raise CheckpointError(str(path), f"weights do not match the config (missing {missing[:3]}, extra {extra[:3]})")
+    for name, tensor in stored.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(str(path), f"{name} has shape {tuple(tensor.shape)}, the config wants "
+                                  f"{tuple(expected[name].shape)}")
     model.load_state_dict(stored, strict=False)
-    return model.eval()
 
 
 def load_tokenizer(model):

@@ -1,6 +1,8 @@
 """Reading corpora (JSONL, folders of .txt/.md, SQuAD JSON) and splitting documents into passages that fit.
 
-Bad inputs never stop a run: empty, binary or non-UTF-8 files and invalid JSON lines are skipped and reported.
+Bad records never stop a run: empty, binary or non-UTF-8 files, invalid JSON lines, ids that are neither strings
+nor integers, text with NUL characters and documents over MAX_DOCUMENT_CHARS are skipped and reported. A corpus
+whose ids repeat is refused whole: which of two records to keep is the user's call, not ours.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from pathlib import Path
 from cprag.errors import CorpusError
 
 TEXT_SUFFIXES = {".txt", ".md"}
+# about 2.5M tokens, 35 minutes of encoding on 2 cores: a larger single document is almost always a mistake
+# (a whole dump on one line), and a user who means it can split it into files
+MAX_DOCUMENT_CHARS = 10_000_000
 
 
 @dataclass
@@ -22,6 +27,7 @@ class Document:
     text: str
     title: str = ""
     metadata: dict = field(default_factory=dict)
+    source: str = field(default="", compare=False, repr=False)  # FILE:LINE, for messages
 
     @property
     def content_hash(self) -> str:
@@ -62,17 +68,27 @@ def read_corpus(path: str | Path) -> Corpus:
     elif path.suffix == ".jsonl":
         documents = list(_read_jsonl(path, skipped))
     elif path.suffix == ".json":
-        documents = _read_squad(path)
+        documents = _read_json(path, skipped)
     elif path.suffix in TEXT_SUFFIXES:
         documents = list(_read_folder_files([path], path.parent, skipped))
     else:
         raise CorpusError(str(path), "expected a .jsonl or SQuAD .json file, or a folder of .txt/.md files")
-    unique: dict[str, Document] = {}
+    _refuse_duplicates(path, documents)
+    return Corpus(documents=documents, skipped=skipped)
+
+
+def _refuse_duplicates(path: Path, documents: list[Document]) -> None:
+    seen: dict[str, Document] = {}
+    repeated = []
     for document in documents:
-        if document.id in unique:
-            skipped.append(Skipped(f"{path}:{document.id}", "duplicate id; the last one wins"))
-        unique[document.id] = document
-    return Corpus(documents=list(unique.values()), skipped=skipped)
+        if document.id in seen:
+            repeated.append((seen[document.id], document))
+        seen.setdefault(document.id, document)
+    if repeated:
+        first, second = repeated[0]
+        more = f" (and {len(repeated) - 1} more repeats)" if len(repeated) > 1 else ""
+        raise CorpusError(str(path), f"id {first.id!r} is used twice, at {first.source} and {second.source}"
+                          f"{more}: ids must be unique")
 
 
 def _decode_text(raw: bytes) -> str | None:
@@ -91,16 +107,21 @@ def _read_folder(root: Path, skipped: list[Skipped]) -> Iterator[Document]:
 
 def _read_folder_files(files: list[Path], root: Path, skipped: list[Skipped]) -> Iterator[Document]:
     for file in files:
-        text = _decode_text(file.read_bytes())
+        raw = file.read_bytes()
+        text = None if b"\x00" in raw else _decode_text(raw)
         if text is None:
             skipped.append(Skipped(str(file), "binary or not UTF-8"))
             continue
         if not text.strip():
             skipped.append(Skipped(str(file), "empty"))
             continue
+        if len(text) > MAX_DOCUMENT_CHARS:
+            skipped.append(Skipped(str(file), f"{len(text):,} characters, over the {MAX_DOCUMENT_CHARS:,} a "
+                                   "document may hold: split it into several"))
+            continue
         doc_id = file.relative_to(root).as_posix()
         title = next((line.lstrip("# ").strip() for line in text.splitlines() if line.strip()), file.stem)
-        yield Document(id=doc_id, text=text, title=title[:200], metadata={"path": doc_id})
+        yield Document(id=doc_id, text=text, title=title[:200], metadata={"path": doc_id}, source=str(file))
 
 
 def _read_jsonl(path: Path, skipped: list[Skipped]) -> Iterator[Document]:
@@ -118,27 +139,66 @@ def _read_jsonl(path: Path, skipped: list[Skipped]) -> Iterator[Document]:
         except json.JSONDecodeError as error:
             skipped.append(Skipped(where, f"invalid JSON ({error.msg})"))
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str) or "id" not in record:
-            skipped.append(Skipped(where, 'expected an object with "id" and "text"'))
+        except RecursionError:
+            skipped.append(Skipped(where, "invalid JSON (nested too deeply)"))
             continue
-        if not record["text"].strip():
-            skipped.append(Skipped(where, "empty text"))
-            continue
-        metadata = {k: v for k, v in record.items() if k not in {"id", "text", "title"}}
-        yield Document(id=str(record["id"]), text=record["text"], title=str(record.get("title", "")), metadata=metadata)
+        document = _record_document(record, where, skipped)
+        if document is not None:
+            yield document
 
 
-def _read_squad(path: Path) -> list[Document]:
+def _record_document(record, where: str, skipped: list[Skipped]) -> Document | None:
+    """One JSONL line's (or JSON array item's) document, or None with the reason in `skipped`."""
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str) or "id" not in record:
+        skipped.append(Skipped(where, 'expected an object with "id" and "text"'))
+        return None
+    doc_id = record["id"]
+    # 7 and "7" name one document; 7.0, true, null or a list name none
+    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or not str(doc_id).strip():
+        skipped.append(Skipped(where, f"id {doc_id!r} is not a non-empty string or an integer"))
+        return None
+    text = record["text"]
+    if not text.strip():
+        skipped.append(Skipped(where, "empty text"))
+        return None
+    if "\x00" in text:
+        skipped.append(Skipped(where, "text contains NUL characters (binary data?)"))
+        return None
+    if len(text) > MAX_DOCUMENT_CHARS:
+        skipped.append(Skipped(where, f"{len(text):,} characters, over the {MAX_DOCUMENT_CHARS:,} a document may "
+                               "hold: split it into several"))
+        return None
+    metadata = {k: v for k, v in record.items() if k not in {"id", "text", "title"}}
+    return Document(id=str(doc_id), text=text, title=str(record.get("title", "")), metadata=metadata,
+                    source=where)
+
+
+def _read_json(path: Path, skipped: list[Skipped]) -> list[Document]:
+    """SQuAD JSON ({"data": [articles]}), or a JSON array of {"id", "text"} objects as JSONL holds them."""
     try:
         data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CorpusError(str(path), f"not valid JSON ({error})") from None
+    except RecursionError:
+        raise CorpusError(str(path), "not valid JSON (nested too deeply)") from None
+    if isinstance(data, list):
+        documents = [_record_document(record, f"{path}[{i}]", skipped) for i, record in enumerate(data)]
+        documents = [d for d in documents if d is not None]
+        if not documents:
+            raise CorpusError(str(path), 'a JSON array without one usable {"id", "text"} object')
+        return documents
+    return _read_squad(path, data)
+
+
+def _read_squad(path: Path, data) -> list[Document]:
+    try:
         articles = data["data"]
         return [
-            Document(id=f"{article['title']}#{i}", text=paragraph["context"], title=article["title"])
+            Document(id=f"{article['title']}#{i}", text=paragraph["context"], title=article["title"],
+                     source=f"{path}: article {article['title']!r}")
             for article in articles
             for i, paragraph in enumerate(article["paragraphs"])
         ]
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CorpusError(str(path), f"not valid JSON ({error})") from None
     except (KeyError, TypeError) as error:
         raise CorpusError(str(path), f"not SQuAD format: missing {error}") from None
 
@@ -169,7 +229,11 @@ def _sentence_cut(text: str, offsets, start: int, end: int) -> int:
     """The latest token in the last quarter of [start, end) that begins a new sentence, else `end`."""
     floor = start + (end - start) * 3 // 4
     for token in range(end, floor, -1):
-        before = text[: offsets[token][0]].rstrip()
-        if before.endswith((".", "!", "?", "\n")):
+        # the last non-space character before the token (a scan back, not a copy of the whole prefix: a
+        # document of millions of characters would make every passage cost its length)
+        at = offsets[token][0] - 1
+        while at >= 0 and text[at].isspace():
+            at -= 1
+        if at >= 0 and text[at] in ".!?":
             return token
     return end

@@ -13,7 +13,7 @@ import torch
 
 from cprag.adapters import merge
 from cprag.backbone import BaseReference, default_reference
-from cprag.checkpoint import model_fingerprint, new_cplm
+from cprag.checkpoint import load_trained_tensors, model_fingerprint, new_cplm
 from cprag.evaluate import sample_examples
 from cprag.features import Examples, activation_cache, prepare_examples
 from cprag.qa_eval import evaluate_oracle, summarize
@@ -49,6 +49,8 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | No
     base = base or default_reference()
     torch.manual_seed(config.seed)
     model, tokenizer = new_cplm(base, **config.head)
+    if config.init_from:
+        load_trained_tensors(model, config.init_from, tuple(config.head))
     data = read_squad(data_path)
     tick = time.perf_counter()
     examples = prepare_examples(tokenizer, data)

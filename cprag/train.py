@@ -30,7 +30,7 @@ from cprag.batches import (
     make_batch,
     make_visible_example,
 )
-from cprag.errors import CacheMismatch
+from cprag.errors import CacheMismatch, ConfigError
 from cprag.features import Examples, TrainQuestion
 from cprag.generate import lexical_prior, prompt_passage_memory
 from cprag.model import CopyMemory
@@ -229,9 +229,13 @@ def train_model(
     total = int(config.epochs * steps_per_epoch)
     if config.max_steps is not None:
         total = min(total, config.max_steps)
+    if config.skip_steps >= total:
+        raise ConfigError("--skip-steps", config.skip_steps, f"leaves nothing to train: the run has {total} steps")
+    steps = max(total - config.skip_steps, 1)
+    # a tenth of the steps warm up; OneCycleLR divides by zero when that tenth is exactly one step (10 steps)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
-                                                    total_steps=max(total, 1), pct_start=0.1)
-    step, losses, order, visible = 0, [], [], 0
+                                                    total_steps=steps, pct_start=0.1 if steps >= 20 else 0.3)
+    step, losses, order, visible = config.skip_steps, [], _skipped_order(questions, rng, config), 0
     state_path = Path(out_dir) / STATE_FILE if out_dir else None
     if state_path:
         state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +284,17 @@ def train_model(
     model.eval()
     return TrainReport(steps=step, examples=len(questions), seconds=time.perf_counter() - started, losses=losses,
                        resumed_from=resumed_from, visible_examples=visible)
+
+
+def _skipped_order(questions: list[TrainQuestion], rng: random.Random, config: TrainConfig) -> list[int]:
+    """What is left of the seeded epoch orders after the first `skip_steps` batches: the questions a run from
+    the same seed reaches next (the orders come first from the seeded generator, as in that run)."""
+    order, skip = [], config.skip_steps * config.batch_size
+    while skip > 0:
+        order = _article_grouped_order(questions, rng)
+        dropped = min(skip, len(order))
+        order, skip = order[dropped:], skip - dropped
+    return order
 
 
 def _article_grouped_order(questions: list[TrainQuestion], rng: random.Random) -> list[int]:

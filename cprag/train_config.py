@@ -43,6 +43,11 @@ class TrainConfig:
     # the prompt, copied from their prompt keys as visible decoding does (the frozen blocks run for each)
     visible_every: int = 8
     visible_batch: int = 2
+    # continue a finished run: start from the trained tensors of this checkpoint directory (same head config),
+    # and skip the first `skip_steps` batches of the seeded epoch order, the ones that run already trained on;
+    # the learning-rate schedule (warm-up, then annealing) covers the steps that remain
+    init_from: str | None = None
+    skip_steps: int = 0
     head: dict = field(default_factory=lambda: {
         "key_dim": 64, "key_sees_token": False, "doc_refine_layers": 1, "doc_refine_dim": 128,
         "end_entries": True, "successor_bias": True, "cp_layers": [8, 16, 24], "doc_lookahead": 2,
@@ -66,10 +71,14 @@ class TrainConfig:
                   ("--dtype", self.dtype, self.dtype in DTYPES),
                   ("--cache-dtype", self.cache_dtype, self.cache_dtype in DTYPES),
                   ("--visible-every", self.visible_every, self.visible_every >= 0),
-                  ("--visible-batch", self.visible_batch, self.visible_batch >= 1)]
+                  ("--visible-batch", self.visible_batch, self.visible_batch >= 1),
+                  ("--skip-steps", self.skip_steps, self.skip_steps >= 0)]
         for flag, value, ok in checks:
             if not ok:
                 raise ConfigError(flag, value, "out of range")
+        if self.skip_steps and not self.init_from:
+            raise ConfigError("--skip-steps", self.skip_steps, "needs --init-from: the steps skipped are the ones "
+                              "that checkpoint was trained on")
         adapted = self.head.get("adapter_layers") or []
         if adapted and min(adapted) < self.cache_layer:
             raise ConfigError("--cache-layer", self.cache_layer, f"adapters on blocks {adapted} sit below it: the "

@@ -64,6 +64,65 @@ def test_unreadable_corpora_raise_one_clear_error(tmp_path):
             read_corpus(tmp_path / name)
 
 
+def test_widened_bad_input_is_skipped_or_refused_with_a_reason(tmp_path, monkeypatch):
+    import cprag.corpus
+
+    monkeypatch.setattr(cprag.corpus, "MAX_DOCUMENT_CHARS", 1000)  # the 10M-character cap, scaled down
+    nested = "[" * 100_000 + "]" * 100_000
+    lines = [
+        json.dumps({"id": "ok", "text": "Fine."}),
+        json.dumps({"id": 1.5, "text": "Float id."}),
+        json.dumps({"id": ["a"], "text": "List id."}),
+        json.dumps({"id": True, "text": "Bool id."}),
+        json.dumps({"id": " ", "text": "Blank id."}),
+        json.dumps({"id": "nul", "text": "Has a \x00 NUL."}),
+        json.dumps({"id": "big", "text": "x" * 1001}),
+        nested,
+    ]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    corpus = read_corpus(tmp_path / "c.jsonl")
+    assert [d.id for d in corpus.documents] == ["ok"]
+    reasons = [s.reason for s in corpus.skipped]
+    assert sum("is not a non-empty string or an integer" in r for r in reasons) == 4
+    assert any("NUL" in r for r in reasons) and any("1,001 characters" in r for r in reasons)
+    assert "invalid JSON (nested too deeply)" in reasons
+    # a folder file with a NUL past the first 8 KB is binary too; an oversized one is skipped
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "late.txt").write_bytes(b"a" * 9000 + b"\x00")
+    (tmp_path / "folder" / "big.md").write_text("y" * 1001)
+    assert sorted(s.reason.split(",")[0] for s in read_corpus(tmp_path / "folder").skipped) == [
+        "1", "binary or not UTF-8"]
+    (tmp_path / "deep.json").write_text(nested)
+    with pytest.raises(CorpusError, match="nested too deeply"):
+        read_corpus(tmp_path / "deep.json")
+
+
+def test_repeated_ids_refuse_the_corpus_naming_both_places(tmp_path):
+    lines = [json.dumps({"id": "7", "text": "Seven."}), json.dumps({"id": "a", "text": "A."}),
+             json.dumps({"id": 7, "text": "Seven again, as a number."})]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(CorpusError, match=r"id '7' is used twice, at .*c.jsonl:1 and .*c.jsonl:3"):
+        read_corpus(tmp_path / "c.jsonl")
+
+
+def test_a_json_array_of_documents_reads_like_jsonl(tmp_path):
+    records = [{"id": f"d{i}", "text": f"Document {i}."} for i in range(3000)] + [{"id": "x"}]
+    (tmp_path / "array.json").write_text(json.dumps(records))
+    corpus = read_corpus(tmp_path / "array.json")
+    assert len(corpus.documents) == 3000 and corpus.documents[-1].text == "Document 2999."
+    assert [s.source for s in corpus.skipped] == [f"{tmp_path / 'array.json'}[3000]"]
+    (tmp_path / "numbers.json").write_text(json.dumps(list(range(10))))
+    with pytest.raises(CorpusError, match="JSON array without one usable"):
+        read_corpus(tmp_path / "numbers.json")
+
+
+def test_a_long_single_line_document_splits_in_linear_time(tokenizer):
+    # sentence cuts scan back from each candidate token instead of copying the prefix: quadratic before
+    text = "word " * 200_000  # 1 MB, one line, no sentence ends
+    passages = split_document(Document(id="line", text=text), tokenizer, max_tokens=256)
+    assert "".join(p.text for p in passages) == text and len(passages) > 100
+
+
 def test_long_documents_split_into_fitting_passages_with_exact_offsets(tokenizer):
     text = " ".join(f"Sentence number {i} says something." for i in range(40))
     document = Document(id="long", text=text, title="Long")

@@ -377,8 +377,14 @@ def test_bad_input_gets_one_line_errors_and_keeps_the_index(tmp_path, checkpoint
         (["info", "--index", str(tmp_path / "nowhere")], "no cprag index"),
         (["ask", "  ", "--index", str(index_dir), *base], "is empty"),
         (["ask", "\x01\x02\x1b", "--index", str(index_dir), *base], "is empty"),
+        (["index", str(tmp_path / "twice.jsonl"), "--index", str(index_dir), "--max-passage-tokens", "120", *base],
+         "is used twice"),
+        (["index", str(tmp_path / "deep.json"), "--index", str(index_dir), "--max-passage-tokens", "120", *base],
+         "nested too deeply"),
     ]
     (tmp_path / "empty.jsonl").write_text("")
+    write_jsonl(tmp_path / "twice.jsonl", DOCS + DOCS[:1])
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     for args, message in cases:
         result = runner.invoke(app, args)
         assert result.exit_code != 0, args

@@ -237,6 +237,36 @@ def test_interrupted_training_resumes_from_its_last_saved_step(tmp_path):
     assert resumed.losses == pytest.approx(straight.losses, abs=1e-3)
 
 
+def test_a_finished_run_continues_from_its_checkpoint_on_the_questions_it_had_not_reached(tmp_path):
+    import random
+
+    from cprag.errors import CheckpointError
+    from cprag.recipe import prepare
+    from cprag.train import _article_grouped_order, _skipped_order, train_model
+
+    config = smoke(epochs=4, batch_size=2, max_steps=2)
+    first = prepared(tmp_path, config)
+    train_model(first.model, first.tokenizer, first.train, config)
+    first.model.save_pretrained(tmp_path / "ckpt")
+    trained = {n: p.detach().clone() for n, p in first.model.named_parameters() if not n.startswith("backbone.")}
+    go_on = smoke(epochs=4, batch_size=2, init_from=str(tmp_path / "ckpt"), skip_steps=2)
+    again = prepare(tmp_path / "tiny.json", go_on, base=gguf_reference(tmp_path / "base.gguf"))
+    named = dict(again.model.named_parameters())
+    assert all(torch.equal(named[n], p) for n, p in trained.items())
+    questions = again.train.examples.questions
+    assert _skipped_order(questions, random.Random(0), go_on) == _article_grouped_order(questions,
+                                                                                       random.Random(0))[4:]
+    report = train_model(again.model, again.tokenizer, again.train, go_on)
+    assert report.steps == 4 * (6 // 2) and len(report.losses) == report.steps - 2
+    with pytest.raises(ConfigError, match="--skip-steps"):  # nothing left to train
+        train_model(again.model, again.tokenizer, again.train, replace(go_on, skip_steps=12))
+    with pytest.raises(ConfigError, match="--init-from"):
+        smoke(skip_steps=2)
+    other = smoke(init_from=str(tmp_path / "ckpt"), head={**HEAD, "key_dim": 16})
+    with pytest.raises(CheckpointError, match="key_dim"):
+        prepare(tmp_path / "tiny.json", other, base=gguf_reference(tmp_path / "base.gguf"))
+
+
 def test_bad_training_input_is_reported(tmp_path):
     (tmp_path / "empty.json").write_text("")
     (tmp_path / "broken.json").write_text("{")
