@@ -10,10 +10,11 @@ import torch
 
 from cprag.cache import KeyCache
 from cprag.checkpoint import load_model, model_fingerprint
-from cprag.errors import ConfigError, IndexCorrupt, TooFewPassages
+from cprag.errors import ConfigError, TooFewPassages
 from cprag.generate import MODES, Citation, generate
-from cprag.retrieve import MiniLMEmbedder, PassageIndex
-from cprag.store import REFRESH, PassageStore, check_model, directory_bytes, read_manifest
+from cprag.retrieve import MiniLMEmbedder
+from cprag.snapshot import open_snapshot
+from cprag.store import check_model, directory_bytes, read_manifest
 
 
 @dataclass
@@ -46,16 +47,10 @@ class Index:
     def __init__(self, path: str | Path, checkpoint: str | Path | None = None, device: str | None = None,
                  model=None, tokenizer=None, cache_bytes: int = 512 * 2**20):
         self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        if self.manifest.get("status") != "complete":
-            raise IndexCorrupt(str(self.path), "the last build did not finish: rerun cprag index to complete it")
-        # the index's own files first: a damaged index fails in milliseconds, before seconds of model loading
-        self.store = PassageStore(self.path, self.manifest["retriever"]["dim"])
-        self.passage_index = PassageIndex.load(self.path)
-        stored = self.store.count()
-        if stored != len(self.passage_index):  # e.g. FAISS files copied from another build of this directory
-            raise IndexCorrupt(str(self.path), f"faiss_ids.json lists {len(self.passage_index)} passages but the "
-                               f"table holds {stored}; " + REFRESH.format(path=self.path))
+        # the index's own files first: a damaged index fails in milliseconds, before seconds of model loading;
+        # the last committed version, even while `cprag index` updates it (cprag.snapshot)
+        snapshot = open_snapshot(self.path)
+        self.manifest, self.store, self.passage_index = snapshot.manifest, snapshot.store, snapshot.passage_index
         self.device = device or default_device()
         dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         if model is None:

@@ -99,3 +99,20 @@ class IndexLocked(CpragError):
         who = f"process {pid}" + (f" on {host}" if host else "") if pid else "another process"
         super().__init__(f"{who} is writing this index (lock {lock_path}); wait for it to finish, or stop it "
                          "(a killed writer's lock is taken over by the next run)")
+
+
+class IndexBusy(CpragError):
+    """A reader found no committed version it could open because a writer is building the index right now."""
+
+    def __init__(self, path: str, pid: int | None):
+        self.path, self.pid = path, pid
+        who = f"process {pid}" if pid else "another process"
+        super().__init__(f"index {path} is being built by {who} and has no finished version to read yet; "
+                         "ask again when cprag index finishes")
+
+
+class IndexUnfinished(IndexCorrupt):
+    """The index's first build stopped before it finished: there is no committed version yet."""
+
+    def __init__(self, path: str):
+        super().__init__(path, "the first build did not finish: rerun cprag index to complete it")

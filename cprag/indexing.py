@@ -102,7 +102,7 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     if not config.rebuild and (index_dir / MANIFEST).is_file():  # under the lock: no writer can change it now
         check_model(index_dir, read_manifest(index_dir), fingerprint)
     if config.rebuild and index_dir.exists():
-        for name in ("lancedb", "faiss.index", "faiss_ids.json", MANIFEST):
+        for name in (MANIFEST, "lancedb", "faiss.index", "faiss_ids.json"):  # the commit point first
             target = index_dir / name
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     index_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +112,9 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
         passages.extend(split_document(document, tokenizer, config.max_passage_tokens))
     metadata = {d.id: d.metadata for d in documents_read.documents}
 
+    manifest = _manifest(model, fingerprint, embedder, config, index_dir)
+    if not (index_dir / MANIFEST).is_file():  # before the table: a table without a manifest reads as damaged
+        write_manifest(index_dir, {**manifest, "status": "building"})
     store = PassageStore(index_dir, embedder.dim, create=True)
     stored = store.stored_hashes()
     todo = [p for p in passages if stored.get(p.passage_id) != (p.doc_id, p.doc_hash)]
@@ -120,9 +123,6 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     # a changed document may now have fewer passages: its leftovers go, other documents are never removed
     stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in changed_docs]
 
-    manifest = _manifest(model, fingerprint, embedder, config, index_dir)
-    manifest["status"] = "building"
-    write_manifest(index_dir, manifest)
 
     tokens_encoded, encode_seconds = 0, 0.0
     for start in range(0, len(todo), config.chunk_passages):
@@ -139,10 +139,10 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     store.delete(stale)
 
     passage_ids, vectors = store.embeddings()
-    PassageIndex.build(passage_ids, vectors).save(index_dir)
+    PassageIndex.build(passage_ids, vectors).save(index_dir, store.version)
     totals = store.totals()
     manifest.update(
-        status="complete",
+        status="complete", table_version=store.version,
         counts={"documents": totals["documents"], "passages": totals["passages"], "tokens": totals["tokens"]},
         bytes_per_token=round(totals["key_and_id_bytes"] / max(totals["tokens"], 1), 2),
         disk_bytes_per_token=round(directory_bytes(index_dir) / max(totals["tokens"], 1), 2),

@@ -3,7 +3,8 @@
 The lock is `flock` on an open file, so the kernel drops it the moment its holder exits, however it exits
 (SIGKILL included): a lock file left by a killed process is stale by construction and the next writer takes it
 over. The file itself only says who holds or last held the lock (pid and host), for the error message.
-Readers never take it; they rely on the manifest's `status` and LanceDB's committed versions.
+Readers never take it; they open the last committed version (cprag.snapshot) and only look at the lock to tell
+"being built" from "damaged".
 """
 
 from __future__ import annotations
@@ -61,3 +62,20 @@ class WriteLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def writer_pid(index_dir: str | Path) -> int | None:
+    """The pid of the process writing `index_dir` now (0 when unknown), or None when no one holds the lock.
+    Tested with a shared lock on the existing file, so a reader never creates it or holds it for long."""
+    path = Path(index_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return holder(path).get("pid") or 0
+    finally:
+        os.close(fd)  # closing drops the shared lock, if it was taken
+    return None

@@ -82,8 +82,9 @@ class Hit:
 class PassageIndex:
     """An exact inner-product FAISS index over normalised embeddings (cosine similarity)."""
 
-    def __init__(self, index, passage_ids: list[str]):
+    def __init__(self, index, passage_ids: list[str], table_version: int | None = None):
         self.index, self.passage_ids = index, passage_ids
+        self.table_version = table_version  # the LanceDB version of the rows it was built from
 
     @classmethod
     def build(cls, passage_ids: list[str], embeddings: np.ndarray) -> PassageIndex:
@@ -94,13 +95,17 @@ class PassageIndex:
             index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
         return cls(index, list(passage_ids))
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, table_version: int | None = None) -> None:
+        """Write the ids (stamped with the table version they describe) before the vectors, each by an atomic
+        replace: a reader that catches the pair mid-write sees ids newer than the manifest and tries again
+        (cprag.snapshot), instead of pairing new vectors with old ids."""
         import faiss
 
+        ids = {"table_version": table_version, "passage_ids": self.passage_ids}
+        (directory / (FAISS_IDS + ".tmp")).write_text(json.dumps(ids))
         faiss.write_index(self.index, str(directory / (FAISS_FILE + ".tmp")))
-        (directory / (FAISS_IDS + ".tmp")).write_text(json.dumps(self.passage_ids))
-        (directory / (FAISS_FILE + ".tmp")).replace(directory / FAISS_FILE)
         (directory / (FAISS_IDS + ".tmp")).replace(directory / FAISS_IDS)
+        (directory / (FAISS_FILE + ".tmp")).replace(directory / FAISS_FILE)
 
     @classmethod
     def load(cls, directory: Path, use_gpu: bool = True) -> PassageIndex:
@@ -115,15 +120,19 @@ class PassageIndex:
         except RuntimeError:
             raise IndexCorrupt(str(directory), f"{FAISS_FILE} is unreadable (truncated or damaged); {fix}") from None
         try:
-            ids = json.loads((directory / FAISS_IDS).read_text())
+            stored = json.loads((directory / FAISS_IDS).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise IndexCorrupt(str(directory), f"{FAISS_IDS} is not valid JSON; {fix}") from None
+        # a plain list: written before the ids carried their table version
+        ids, version = (stored, None) if isinstance(stored, list) else (
+            stored.get("passage_ids") if isinstance(stored, dict) else None,
+            stored.get("table_version") if isinstance(stored, dict) else None)
         if not isinstance(ids, list):
-            raise IndexCorrupt(str(directory), f"{FAISS_IDS} is not a list of passage ids; {fix}")
+            raise IndexCorrupt(str(directory), f"{FAISS_IDS} does not hold a list of passage ids; {fix}")
         if index.ntotal != len(ids):
             raise IndexCorrupt(str(directory), f"{FAISS_FILE} holds {index.ntotal} vectors but {FAISS_IDS} "
                                f"{len(ids)} passage ids; {fix}")
-        return cls(_faiss_to_gpu(index) if use_gpu else index, ids)
+        return cls(_faiss_to_gpu(index) if use_gpu else index, ids, version)
 
     def __len__(self) -> int:
         return len(self.passage_ids)

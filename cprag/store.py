@@ -6,7 +6,9 @@
     DIR/faiss_ids.json     passage id of each FAISS row
 
 Rows are written in chunks, each one LanceDB commit, so an interrupted build keeps every finished chunk and a
-rerun skips them. The manifest's "status" stays "building" until the FAISS index matches the table.
+rerun skips them. The manifest is the commit point: it names the LanceDB table version that the FAISS files were
+built from, and readers open that version (cprag.snapshot), so an update in progress, or one interrupted, leaves
+them on the last finished version. A first build's manifest says "building" until it finishes.
 """
 
 from __future__ import annotations
@@ -105,7 +107,9 @@ def check_model(path: Path, manifest: dict, fingerprint: str) -> None:
 class PassageStore:
     """The LanceDB passages table of one index directory."""
 
-    def __init__(self, path: str | Path, embedding_dim: int, create: bool = False):
+    def __init__(self, path: str | Path, embedding_dim: int, create: bool = False, version: int | None = None):
+        """`version`: read that committed LanceDB version of the table (a reader's snapshot) instead of the
+        latest; the store is then read-only."""
         import lancedb
 
         self.path = Path(path)
@@ -121,6 +125,15 @@ class PassageStore:
         if not (exists or create):
             raise IndexCorrupt(str(path), "the passages table lancedb/passages is missing; "
                                + REBUILD.format(path=path))
+        if version is not None:
+            try:
+                self.table.checkout(version)
+            except Exception as error:  # the version's files removed (a cleanup, a half-copied directory)
+                raise self.unreadable(error) from None
+
+    @property
+    def version(self) -> int:
+        return self.table.version
 
     def unreadable(self, error: Exception) -> IndexCorrupt:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

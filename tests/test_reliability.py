@@ -1,0 +1,111 @@
+"""Readers while `cprag index` writes, and `cprag index` killed anywhere (a few seeded trials of the 100 that
+`eval/reliability/run.py` runs)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from kill_fuzz import prepare, run_trial, snapshot_rows
+from test_index_ask import _wait_for, checkpoint, embedder  # noqa: F401 - fixtures
+from typer.testing import CliRunner
+
+from cprag.api import Index
+from cprag.checkpoint import load_model
+from cprag.cli import app
+from cprag.errors import IndexBusy
+
+LONG = " ".join(f"The clock chimed {i} times on day {i}." for i in range(24))
+V1 = [
+    {"id": "lighthouse", "title": "Varna Point", "text": "The lighthouse at Varna Point was built in 1871."},
+    {"id": "bridge", "title": "Tellin", "text": "The glass bridge of Tellin was designed by Ines Marr."},
+    {"id": "clock", "title": "River Clock", "text": LONG},
+    {"id": "geese", "title": "Geese", "text": "Geese arrive at the lake in October."},
+]
+# an update: one document changed, one shrunk to fewer passages (its leftovers deleted), one added
+V2 = [
+    V1[0],
+    {"id": "bridge", "title": "Tellin", "text": "The glass bridge of Tellin was rebuilt by Odo Vance in 2011."},
+    {"id": "clock", "title": "River Clock", "text": "The clock was silenced in 1990."},
+    V1[3],
+    {"id": "mill", "title": "Mill", "text": "The mill grinds barley for the village."},
+]
+
+
+@pytest.fixture(scope="module")
+def fuzz(tmp_path_factory, checkpoint):  # noqa: F811
+    workdir = tmp_path_factory.mktemp("fuzz")
+    return workdir, prepare(workdir, checkpoint, V1, V2)
+
+
+def test_the_clean_builds_differ_so_a_mixed_view_would_show(fuzz):
+    _, setup = fuzz
+    v1, v2 = setup.clean["v1"], setup.clean["v2"]
+    assert v1["counts"]["passages"] > 5 and v2["counts"]["passages"] == 5
+    assert {r[0] for r in v1["rows"]} - {r[0] for r in v2["rows"]}  # the update deletes passages
+    assert setup.events["update"] > 4
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_killed_anywhere_the_resumed_index_equals_a_clean_build(fuzz, seed):
+    workdir, setup = fuzz
+    trial = run_trial(setup, workdir, seed)
+    assert trial.kills, "the trial never killed the writer"
+    assert trial.problems == [] and trial.equal
+    assert (trial.lost, trial.duplicated, trial.extra) == (0, 0, 0)
+    # an update leaves readers on a finished version, except a kill between the FAISS files and the manifest
+    # (they disagree: "rerun cprag index"); a first build has none until it finishes
+    allowed = {"v1", "v2", "IndexCorrupt"} if trial.kind == "update" else {"v2", "IndexNotFound",
+                                                                          "IndexUnfinished"}
+    assert {k["reader"] for k in trial.kills} <= allowed
+
+
+def test_readers_during_an_update_see_one_committed_version_or_a_busy_message(fuzz, checkpoint,  # noqa: F811
+                                                                               tmp_path):
+    import shutil
+
+    from test_index_ask import _writer_script
+
+    _, setup = fuzz
+    index_dir, marker = tmp_path / "idx", tmp_path / "started"
+    shutil.copytree(setup.built_v1, index_dir)
+    model, tokenizer = load_model(checkpoint)
+    writer = subprocess.Popen([sys.executable, "-c", _writer_script(checkpoint, setup.corpora["v2"], index_dir,
+                                                                      marker, 0.3)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(marker, writer)
+    seen, cli_runs = [], 0
+    while writer.poll() is None or not seen or seen[-1] != "v2":
+        index = Index(index_dir, model=model, tokenizer=tokenizer)
+        view = snapshot_rows(index_dir)
+        seen.append(next((name for name, rows in setup.clean.items() if rows == view), "MIXED"))
+        answer = index.ask("Who designed the glass bridge?", k=3)
+        fetched = index.store.fetch([p["passage_id"] for p in answer.passages])
+        assert len(fetched) == 3  # every retrieved passage is in the version the reader opened
+        if cli_runs < 3:
+            result = CliRunner().invoke(app, ["ask", "When was the lighthouse built?", "--index", str(index_dir),
+                                              "--checkpoint", str(checkpoint), "-k", "2", "--json"])
+            assert result.exit_code == 0, result.output
+            assert len(json.loads(result.stdout)["passages"]) == 2
+            cli_runs += 1
+    assert writer.wait(timeout=120) == 0, writer.communicate()
+    assert "MIXED" not in seen and seen[0] == "v1" and seen[-1] == "v2"
+    assert seen == sorted(seen)  # never back from v2 to v1
+
+
+def test_a_first_build_in_progress_is_busy_not_damaged(fuzz, checkpoint, tmp_path):  # noqa: F811
+    from test_index_ask import _writer_script
+
+    _, setup = fuzz
+    index_dir, marker = tmp_path / "idx", tmp_path / "started"
+    writer = subprocess.Popen([sys.executable, "-c", _writer_script(checkpoint, setup.corpora["v2"], index_dir,
+                                                                      marker, 1.0)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(marker, writer)
+    with pytest.raises(IndexBusy, match=f"being built by process {writer.pid}"):
+        Index(index_dir, checkpoint=checkpoint)
+    result = CliRunner().invoke(app, ["ask", "When?", "--index", str(index_dir), "--checkpoint", str(checkpoint)])
+    assert result.exit_code == 1 and "is being built" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    writer.kill()
+    writer.wait()
