@@ -352,6 +352,10 @@ def train_command(
     visible_batch: int = typer.Option(TRAIN_DEFAULTS.visible_batch, "--visible-batch"),
     dtype: str = typer.Option(TRAIN_DEFAULTS.dtype, "--dtype", help="bfloat16 (autocast) or float32."),
     seed: int = typer.Option(TRAIN_DEFAULTS.seed, "--seed"),
+    init_from: Path = typer.Option(None, "--init-from", help="Continue a finished run: start from this "
+                                   "checkpoint's head and adapters (same head settings)."),
+    skip_steps: int = typer.Option(0, "--skip-steps", help="With --init-from: the steps that checkpoint trained "
+                                   "(its batches of the seeded order are skipped; the schedule covers the rest)."),
     validation_questions: int = typer.Option(1000, "--validation-questions", help="Questions decoded to validate."),
     modes: str = typer.Option("hidden", "--modes", help="Validation modes: hidden,visible,closed."),
     as_json: bool = JSON_OPTION,
@@ -360,6 +364,9 @@ def train_command(
     activations of the frozen blocks below them; validate, and write a checkpoint.
 
     Example: cprag train ../shared/data/squad-v1.1-train.json --validation DEV.json --out checkpoints/mine
+
+    Continue it past its 1,000 steps to a full epoch:
+    cprag train TRAIN.json --validation DEV.json --out checkpoints/more --init-from checkpoints/mine --skip-steps 1000
     """
     from dataclasses import replace
 
@@ -370,7 +377,8 @@ def train_command(
     config = replace(TRAIN_DEFAULTS, epochs=epochs, max_steps=max_steps, max_questions=max_questions, lr=lr,
                      adapter_lr=adapter_lr, batch_size=batch_size, distractors=distractors, end_weight=end_weight,
                      no_answer_fraction=no_answer_fraction, visible_every=visible_every,
-                     visible_batch=visible_batch, dtype=dtype, seed=seed, head=head)
+                     visible_batch=visible_batch, dtype=dtype, seed=seed, head=head,
+                     init_from=str(init_from) if init_from else None, skip_steps=skip_steps)
     with _progress_bar(as_json) as progress:
         tasks: dict[str, int] = {}
 

@@ -116,3 +116,12 @@ class IndexUnfinished(IndexCorrupt):
 
     def __init__(self, path: str):
         super().__init__(path, "the first build did not finish: rerun cprag index to complete it")
+
+
+class DiskFull(CpragError):
+    """The disk filled up while an index was written; the last finished version is untouched."""
+
+    def __init__(self, path: str, detail: str):
+        self.path, self.detail = path, detail
+        super().__init__(f"the disk holding index {path} is full ({detail}); the last finished version is intact "
+                         "and readers still see it: free some space and rerun cprag index to resume")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from pathlib import Path
 from cprag.checkpoint import model_fingerprint
 from cprag.corpus import Passage, Skipped, read_corpus, split_document
 from cprag.encode import encode_passages, tokenize_passage
-from cprag.errors import ConfigError, CorpusError
+from cprag.errors import ConfigError, CorpusError, DiskFull
 from cprag.lock import WriteLock
 from cprag.retrieve import PassageIndex, passage_text_for_retrieval
 from cprag.store import (
@@ -20,6 +21,7 @@ from cprag.store import (
     PassageStore,
     check_model,
     directory_bytes,
+    error_line,
     now,
     read_manifest,
     row_for,
@@ -93,8 +95,22 @@ def build_index(
     if not documents_read.documents:
         raise CorpusError(str(corpus), f"no readable documents ({len(documents_read.skipped)} skipped)")
     with WriteLock(index_dir):
-        return _build_locked(documents_read, index_dir, model, tokenizer, embedder, config, fingerprint, started,
-                             on_progress)
+        try:
+            return _build_locked(documents_read, index_dir, model, tokenizer, embedder, config, fingerprint,
+                                 started, on_progress)
+        except Exception as error:
+            if not _disk_full(error):
+                raise
+            # every write is a commit or an atomic replace, so nothing finished was touched
+            raise DiskFull(str(index_dir), error_line(error)) from None
+
+
+def _disk_full(error: BaseException) -> bool:
+    """ENOSPC from Python, or as LanceDB (Rust) and FAISS (C++) word it in their own exceptions."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    text = str(error)
+    return "No space left on device" in text or "os error 28" in text
 
 
 def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, config: IndexConfig,

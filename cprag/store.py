@@ -136,10 +136,8 @@ class PassageStore:
         return self.table.version
 
     def unreadable(self, error: Exception) -> IndexCorrupt:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        first_line = re.sub(r",\s*/\S*\.cargo/.*$", "", first_line)[:200]  # lance appends its Rust source path
-        return IndexCorrupt(str(self.path), f"the passages table lancedb/passages is unreadable ({first_line}); "
-                            + REBUILD.format(path=self.path))
+        return IndexCorrupt(str(self.path), f"the passages table lancedb/passages is unreadable "
+                            f"({error_line(error)}); " + REBUILD.format(path=self.path))
 
     def count(self) -> int:
         return self.table.count_rows()
@@ -202,6 +200,12 @@ class PassageStore:
             "tokens": tokens,
             "key_and_id_bytes": key_bytes + id_bytes,
         }
+
+
+def error_line(error: BaseException) -> str:
+    """The first line of an error from LanceDB or FAISS, without the Rust source path lance appends."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r",\s*/\S*\.cargo/.*$", "", line)[:200]
 
 
 def directory_bytes(path: Path) -> int:

@@ -109,3 +109,49 @@ def test_a_first_build_in_progress_is_busy_not_damaged(fuzz, checkpoint, tmp_pat
     assert len(result.output.strip().splitlines()) == 1, result.output
     writer.kill()
     writer.wait()
+
+
+def _fill(directory, leave_bytes):
+    """Fill the filesystem of `directory` up to `leave_bytes` of free space."""
+    import os
+
+    free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
+    with open(directory / "filler", "wb") as handle:
+        handle.write(b"\0" * max(free - leave_bytes, 0))
+
+
+def test_a_full_disk_keeps_the_finished_version_and_says_so(fuzz, checkpoint, embedder, tmp_path):  # noqa: F811
+    """A real ENOSPC: the index lives on a 48 MB tmpfs that is filled up before an update (root only)."""
+    import os
+    import shutil
+
+    from cprag.indexing import IndexConfig, build_index
+
+    _, setup = fuzz
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        index_dir = mount / "idx"
+        shutil.copytree(setup.built_v1, index_dir)
+        big = [{"id": f"extra{i}", "title": "Extra", "text": f"Extra document {i}. " * 60} for i in range(40)]
+        (tmp_path / "grown.jsonl").write_text("".join(json.dumps(d) + "\n" for d in V2 + big))
+        _fill(mount, 64 * 1024)
+        model, tokenizer = load_model(checkpoint)
+        from cprag.errors import DiskFull
+
+        with pytest.raises(DiskFull, match="full .* the last finished version is intact"):
+            build_index(tmp_path / "grown.jsonl", index_dir, model, tokenizer, embedder,
+                        IndexConfig(120, chunk_passages=4))
+        assert snapshot_rows(index_dir) == setup.clean["v1"]  # readers still get the finished version
+        result = CliRunner().invoke(app, ["index", str(tmp_path / "grown.jsonl"), "--index", str(index_dir),
+                                          "--checkpoint", str(checkpoint), "--max-passage-tokens", "120"])
+        assert result.exit_code == 1 and "is full" in result.output and ".cargo" not in result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        (mount / "filler").unlink()
+        report = build_index(tmp_path / "grown.jsonl", index_dir, model, tokenizer, embedder, IndexConfig(120))
+        assert report.manifest["counts"]["documents"] == len(V2) + len(big)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
