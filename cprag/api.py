@@ -16,6 +16,12 @@ from cprag.retrieve import MiniLMEmbedder
 from cprag.snapshot import open_snapshot
 from cprag.store import check_model, directory_bytes, read_manifest
 
+# below this top-1 retrieval score (cosine, all-MiniLM-L6-v2) the corpus is taken to hold nothing on the question
+# and the answer is withheld before decoding. The rule: the highest multiple of 0.05 below which at most 0.5% of
+# in-corpus questions fall; on 2,818 SQuAD dev questions whose article is indexed 0.25% fall below 0.25, and 15.5%
+# of 2,847 questions whose article is not (eval/retrieval_floor.py, eval/retrieval-floor/)
+MIN_RETRIEVAL_SCORE = 0.25
+
 
 @dataclass
 class Answer:
@@ -29,6 +35,9 @@ class Answer:
     # answer is withheld and `no_answer` says the passages hold no answer
     confidence: float | None = None
     no_answer: bool = False
+    # why an answer was withheld: "retrieval" (no passage is close to the question, nothing was decoded) or
+    # "confidence" (the copy path was unsure); None when answered
+    no_answer_reason: str | None = None
     timings_ms: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -72,9 +81,10 @@ class Index:
         return self.passage_index.search(self.embedder.embed(questions), k)
 
     def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
-            min_confidence: float | None = None) -> Answer:
-        """Answer from the k retrieved passages; answers below `min_confidence` (default: the checkpoint's,
-        tuned on SQuAD 2.0) are withheld as "no answer"."""
+            min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE) -> Answer:
+        """Answer from the k retrieved passages. Withheld as "no answer": questions whose best passage scores
+        below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
+        `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0)."""
         if mode not in MODES:
             raise ConfigError("--mode", mode, f"expected one of {', '.join(MODES)}")
         if not any(ch.isprintable() and not ch.isspace() for ch in question):
@@ -82,6 +92,8 @@ class Index:
         threshold = self.model.config.min_confidence if min_confidence is None else min_confidence
         if not 0.0 <= threshold <= 1.0:
             raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
+        if not -1.0 <= min_retrieval_score <= 1.0:
+            raise ConfigError("--min-retrieval-score", min_retrieval_score, "must be a cosine in [-1, 1]")
         timings = {}
         tick = time.perf_counter()
         hits = self.retrieve([question], k)[0] if mode != "closed" else []
@@ -89,6 +101,13 @@ class Index:
         tick = time.perf_counter()
         passages = self.cache.get([h.passage_id for h in hits], self.store.fetch)
         timings["load_keys"] = (time.perf_counter() - tick) * 1000
+        read = [{"doc_id": p.passage.doc_id, "passage_id": h.passage_id, "score": round(h.score, 4)}
+                for p, h in zip(passages, hits, strict=True)]
+        if hits and hits[0].score < min_retrieval_score:
+            timings["total"] = sum(timings.values())
+            return Answer(question=question, answer="", mode=mode, citations=[], passages=read, copy_rate=0.0,
+                          no_answer=True, no_answer_reason="retrieval",
+                          timings_ms={name: round(ms, 1) for name, ms in timings.items()})
         tick = time.perf_counter()
         generation = generate(self.model, self.tokenizer, question, passages, mode, max_new_tokens,
                               min_confidence=threshold)
@@ -96,11 +115,10 @@ class Index:
         timings["total"] = sum(timings.values())
         return Answer(
             question=question, answer=generation.answer, mode=mode, citations=generation.citations,
-            passages=[{"doc_id": p.passage.doc_id, "passage_id": h.passage_id, "score": round(h.score, 4)}
-                      for p, h in zip(passages, hits, strict=True)],
-            copy_rate=round(generation.copy_rate, 3),
+            passages=read, copy_rate=round(generation.copy_rate, 3),
             confidence=None if generation.confidence is None else round(generation.confidence, 4),
-            no_answer=generation.no_answer, timings_ms={name: round(ms, 1) for name, ms in timings.items()},
+            no_answer=generation.no_answer, no_answer_reason="confidence" if generation.no_answer else None,
+            timings_ms={name: round(ms, 1) for name, ms in timings.items()},
         )
 
 

@@ -207,6 +207,9 @@ def ask_command(
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers whose confidence (the "
                                          "copy path's probability of the first answer token) is below this "
                                          "(default: the checkpoint's, tuned on SQuAD 2.0; 0 always answers)."),
+    min_retrieval_score: float = typer.Option(None, "--min-retrieval-score", help="Say the passages hold no "
+                                              "answer, without decoding, when the best passage's retrieval score "
+                                              "is below this (default 0.25, measured on SQuAD; -1 never)."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     as_json: bool = JSON_OPTION,
@@ -216,9 +219,10 @@ def ask_command(
 
     Example: cprag ask "When was the lighthouse at Varna Point built?" --index indexes/demo
     """
-    from cprag.api import Index
+    from cprag.api import MIN_RETRIEVAL_SCORE, Index
     from cprag.errors import ConfigError
 
+    floor = MIN_RETRIEVAL_SCORE if min_retrieval_score is None else min_retrieval_score
     if (question is None) == (questions is None):
         raise ConfigError("QUESTION/--questions", question or questions, "give a question or --questions, not both")
     if visible and closed:
@@ -228,7 +232,8 @@ def ask_command(
     with err.status("loading the model and the index"):
         opened = Index(index, checkpoint=checkpoint, device=device)
     for item in batch:
-        answer = opened.ask(item, k=k, mode=mode, max_new_tokens=max_new_tokens, min_confidence=min_confidence)
+        answer = opened.ask(item, k=k, mode=mode, max_new_tokens=max_new_tokens, min_confidence=min_confidence,
+                            min_retrieval_score=floor)
         if as_json:
             emit_json(answer.to_json())
         else:
@@ -242,7 +247,9 @@ def render_answer(answer, opened) -> None:
     from rich.panel import Panel
     from rich.text import Text
 
-    if answer.no_answer:
+    if answer.no_answer_reason == "retrieval":
+        text = Text("The passages hold no answer to this question: none of them is about it.", style="bold yellow")
+    elif answer.no_answer:
         text = Text("The passages hold no answer to this question.", style="bold yellow")
     else:
         text = Text(answer.answer or "(empty answer)", style="bold")

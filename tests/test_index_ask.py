@@ -255,7 +255,8 @@ def test_a_checkpoint_that_differs_only_in_its_adapters_is_another_model(tmp_pat
 
 def test_no_answer_is_said_plainly_with_the_passages_read(tmp_path, checkpoint, embedder):
     index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
-    base = ["--index", str(tmp_path / "idx"), "--checkpoint", str(checkpoint), "-k", "2", "--max-new-tokens", "4"]
+    base = ["--index", str(tmp_path / "idx"), "--checkpoint", str(checkpoint), "-k", "2", "--max-new-tokens", "4",
+            "--min-retrieval-score", "-1"]  # the confidence path alone (the retrieval floor: the next test)
     answered = json.loads(CliRunner().invoke(app, ["ask", "When was it built?", "--json", *base]).stdout)
     assert 0.0 <= answered["confidence"] <= 1.0 and not answered["no_answer"]
     withheld = CliRunner().invoke(app, ["ask", "When was it built?", "--json", "--min-confidence", "1", *base])
@@ -268,6 +269,28 @@ def test_no_answer_is_said_plainly_with_the_passages_read(tmp_path, checkpoint, 
     assert closed["confidence"] is None and not closed["no_answer"]  # nothing to copy from, nothing withheld
     bad = CliRunner().invoke(app, ["ask", "When?", "--min-confidence", "2", *base])
     assert bad.exit_code != 0 and "--min-confidence" in bad.output
+
+
+def test_a_question_no_passage_is_about_is_withheld_before_decoding(tmp_path, checkpoint, embedder):
+    from cprag.api import MIN_RETRIEVAL_SCORE
+
+    index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
+    index = Index(tmp_path / "idx", checkpoint=checkpoint)
+    question = "What is the capital of France?"
+    best = index.retrieve([question], 1)[0][0].score
+    assert best < MIN_RETRIEVAL_SCORE < index.retrieve(["When was the lighthouse at Varna Point built?"], 1)[0][0].score
+    withheld = index.ask(question, k=2, min_retrieval_score=best + 0.01)
+    assert withheld.no_answer and withheld.no_answer_reason == "retrieval" and withheld.answer == ""
+    assert "generate" not in withheld.timings_ms and len(withheld.passages) == 2  # not decoded, still listed
+    decoded = index.ask(question, k=2, min_retrieval_score=best - 0.01, min_confidence=0.0)
+    assert not decoded.no_answer and decoded.no_answer_reason is None and "generate" in decoded.timings_ms
+    base = ["--index", str(tmp_path / "idx"), "--checkpoint", str(checkpoint), "-k", "2"]
+    shown = CliRunner().invoke(app, ["ask", question, *base])  # the default floor
+    assert shown.exit_code == 0 and "none of them is about it" in shown.stdout and "read " in shown.stdout
+    line = json.loads(CliRunner().invoke(app, ["ask", question, "--json", *base]).stdout)
+    assert line["no_answer_reason"] == "retrieval" and line["confidence"] is None
+    bad = CliRunner().invoke(app, ["ask", question, "--min-retrieval-score", "3", *base])
+    assert bad.exit_code != 0 and "--min-retrieval-score" in bad.output
 
 
 @pytest.mark.parametrize("mode", ["hidden", "visible"])
