@@ -51,8 +51,8 @@ that lacks their passage, and trained to stop at once with the copy mass on the 
 ```
 
 ## Training
-{steps} steps of {batch} questions on 2 CPU cores, training {train_s} s. The activation cache of the frozen blocks
-({cache_gb:.1f} GB on disk, train and validation files) {cache_note}.
+{steps} steps of {batch} questions on 2 CPU cores, training {train_s} s{continued}. The activation cache of the
+frozen blocks ({cache_gb:.1f} GB on disk, train and validation files) {cache_note}.
 
 ## Validation (gold passage + {distractors} same-article distractor passages in memory)
 | mode | n | EM | F1 | copy rate |
@@ -88,13 +88,25 @@ def model_card(metrics: dict, squad2: dict, config: TrainConfig, out: Path) -> s
         cache_gb=metrics.get("cache/bytes", 0) / 1e9,
         cache_note=(f"was built in this run: {metrics['cache/tokens_built']:,} tokens in {metrics['cache/seconds']} s"
                     if metrics.get("cache/tokens_built") else "was built before this run and reused"),
-        train_s=metrics["train/seconds"], distractors=config.distractors, rows=rows,
+        train_s=metrics["train/seconds"], continued=_continued(config, metrics["train/steps"]),
+        distractors=config.distractors, rows=rows,
         n_tf=metrics["validation/tf/n"], tf_start=metrics["validation/tf/start"], tf_end=metrics["validation/tf/end"],
         tf_exact=metrics["validation/tf/exact"], n2=squad2["eval/questions"], unanswerable=squad2["eval/unanswerable"],
         threshold=squad2["qa2/hidden/threshold"], has_f1=squad2["qa2/hidden/has_f1"],
         has_f1_always=squad2["qa2/hidden/has_f1_always"], noans=squad2["qa2/hidden/noans_acc"],
         em2=squad2["qa2/hidden/em"], f12=squad2["qa2/hidden/f1"],
     )
+
+
+def _continued(config: TrainConfig, steps: int) -> str:
+    """How a continued run began (`init_from`, `skip_steps`), for the card."""
+    if not config.init_from:
+        return ""
+    earlier = Path(config.init_from) / "metrics.json"
+    seconds = json.loads(earlier.read_text()).get("train/seconds") if earlier.is_file() else None
+    took = f" in {seconds:,.0f} s" if seconds else ""
+    return (f" for its last {steps - config.skip_steps:,} steps; the first {config.skip_steps:,} were an earlier "
+            f"run of the same recipe{took}, whose checkpoint this run started from (`init_from`)")
 
 
 def tune_threshold(out: Path, squad2_path: Path, questions: int, seed: int, report: Path, max_drop: float,
