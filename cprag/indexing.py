@@ -12,7 +12,7 @@ from pathlib import Path
 from cprag.checkpoint import model_fingerprint
 from cprag.corpus import Passage, Skipped, read_corpus, split_document
 from cprag.encode import encode_passages, tokenize_passage
-from cprag.errors import ConfigError, CorpusError, DiskFull
+from cprag.errors import ConfigError, CorpusError, DiskFull, IndexCorrupt
 from cprag.lock import WriteLock
 from cprag.retrieve import PassageIndex, passage_text_for_retrieval
 from cprag.store import (
@@ -131,7 +131,14 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     manifest = _manifest(model, fingerprint, embedder, config, index_dir)
     if not (index_dir / MANIFEST).is_file():  # before the table: a table without a manifest reads as damaged
         write_manifest(index_dir, {**manifest, "status": "building"})
-    store = PassageStore(index_dir, embedder.dim, create=True)
+    try:
+        store = PassageStore(index_dir, embedder.dim, create=True)
+    except IndexCorrupt:
+        if read_manifest(index_dir).get("status") == "complete":
+            raise  # a finished version is damaged: the user decides (--rebuild)
+        # a first build killed while LanceDB created its table: nothing was ever committed, start the table over
+        shutil.rmtree(index_dir / "lancedb", ignore_errors=True)
+        store = PassageStore(index_dir, embedder.dim, create=True)
     stored = store.stored_hashes()
     todo = [p for p in passages if stored.get(p.passage_id) != (p.doc_id, p.doc_hash)]
     current_ids = {p.passage_id for p in passages}

@@ -155,3 +155,23 @@ def test_a_full_disk_keeps_the_finished_version_and_says_so(fuzz, checkpoint, em
         assert report.manifest["counts"]["documents"] == len(V2) + len(big)
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_first_build_killed_inside_table_creation_starts_the_table_over(fuzz, checkpoint, embedder,  # noqa: F811
+                                                                          tmp_path):
+    import shutil
+
+    from test_index_ask import index_corpus
+
+    from cprag.errors import IndexCorrupt
+
+    _, setup = fuzz
+    index_dir = tmp_path / "idx"
+    shutil.copytree(setup.built_v1, index_dir)
+    shutil.rmtree(index_dir / "lancedb" / "passages.lance" / "_versions")  # a table LanceDB never finished
+    with pytest.raises(IndexCorrupt, match="unreadable"):  # a finished version: never dropped silently
+        index_corpus(setup.corpora["v2"], index_dir, checkpoint, embedder, chunk_passages=1)
+    manifest = json.loads((index_dir / "manifest.json").read_text())
+    (index_dir / "manifest.json").write_text(json.dumps({**manifest, "status": "building"}))
+    index_corpus(setup.corpora["v2"], index_dir, checkpoint, embedder, chunk_passages=1)
+    assert snapshot_rows(index_dir) == setup.clean["v2"]
