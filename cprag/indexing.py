@@ -142,9 +142,10 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     stored = store.stored_hashes()
     todo = [p for p in passages if stored.get(p.passage_id) != (p.doc_id, p.doc_hash)]
     current_ids = {p.passage_id for p in passages}
-    changed_docs = {p.doc_id for p in todo}
-    # a changed document may now have fewer passages: its leftovers go, other documents are never removed
-    stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in changed_docs]
+    corpus_docs = {p.doc_id for p in passages}
+    # a document of this corpus may now have fewer passages: its leftovers go, whether it changed in this run or in
+    # an earlier one that was interrupted before its deletes; documents absent from this corpus are never removed
+    stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in corpus_docs]
 
 
     tokens_encoded, encode_seconds = 0, 0.0

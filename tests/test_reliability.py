@@ -175,3 +175,31 @@ def test_a_first_build_killed_inside_table_creation_starts_the_table_over(fuzz, 
     (index_dir / "manifest.json").write_text(json.dumps({**manifest, "status": "building"}))
     index_corpus(setup.corpora["v2"], index_dir, checkpoint, embedder, chunk_passages=1)
     assert snapshot_rows(index_dir) == setup.clean["v2"]
+
+
+def test_an_update_interrupted_before_its_deletes_drops_the_leftovers_on_resume(fuzz, checkpoint, embedder,  # noqa: F811
+                                                                                 tmp_path):
+    """Found by the kill fuzz: the shrunk document's new passage was committed, the run died before deleting its
+    old passages, and the resumed run, seeing the document unchanged, kept them."""
+    import shutil
+
+    from test_index_ask import index_corpus
+
+    _, setup = fuzz
+    index_dir = tmp_path / "idx"
+    shutil.copytree(setup.built_v1, index_dir)
+
+    def stop_after_the_last_upsert(stage, done, total):
+        if done == total:
+            raise KeyboardInterrupt
+
+    model, tokenizer = load_model(checkpoint)
+    from cprag.indexing import IndexConfig, build_index
+
+    with pytest.raises(KeyboardInterrupt):
+        build_index(setup.corpora["v2"], index_dir, model, tokenizer, embedder, IndexConfig(120, chunk_passages=1),
+                    on_progress=stop_after_the_last_upsert)
+    assert snapshot_rows(index_dir) == setup.clean["v1"]  # readers: still the finished version
+    report = index_corpus(setup.corpora["v2"], index_dir, checkpoint, embedder, chunk_passages=1)
+    assert report.encoded == 0 and report.removed > 0
+    assert snapshot_rows(index_dir) == setup.clean["v2"]
