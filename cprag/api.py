@@ -10,8 +10,9 @@ import torch
 
 from cprag.cache import KeyCache
 from cprag.checkpoint import load_model, model_fingerprint
-from cprag.errors import ConfigError, TooFewPassages
+from cprag.errors import ConfigError, QuestionTooLong, TooFewPassages
 from cprag.generate import MODES, Citation, generate
+from cprag.prompt import prompt_ids
 from cprag.retrieve import MiniLMEmbedder
 from cprag.snapshot import open_snapshot
 from cprag.store import check_model, directory_bytes, read_manifest
@@ -94,6 +95,10 @@ class Index:
             raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
         if not -1.0 <= min_retrieval_score <= 1.0:
             raise ConfigError("--min-retrieval-score", min_retrieval_score, "must be a cosine in [-1, 1]")
+        # bad input before any work, and before the retrieval floor could answer it "no answer"
+        needed = len(prompt_ids(self.tokenizer, question)) + max_new_tokens
+        if needed > self.model.config.max_position_embeddings:
+            raise QuestionTooLong(needed, self.model.config.max_position_embeddings)
         timings = {}
         tick = time.perf_counter()
         hits = self.retrieve([question], k)[0] if mode != "closed" else []
