@@ -123,10 +123,10 @@ class PassageIndex:
             stored = json.loads((directory / FAISS_IDS).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise IndexCorrupt(str(directory), f"{FAISS_IDS} is not valid JSON; {fix}") from None
-        # a plain list: written before the ids carried their table version
-        ids, version = (stored, None) if isinstance(stored, list) else (
-            stored.get("passage_ids") if isinstance(stored, dict) else None,
-            stored.get("table_version") if isinstance(stored, dict) else None)
+        if isinstance(stored, list):  # written before the ids carried their table version
+            stored = {"passage_ids": stored}
+        ids = stored.get("passage_ids") if isinstance(stored, dict) else None
+        version = stored.get("table_version") if isinstance(stored, dict) else None
         if not isinstance(ids, list):
             raise IndexCorrupt(str(directory), f"{FAISS_IDS} does not hold a list of passage ids; {fix}")
         if index.ntotal != len(ids):

@@ -32,7 +32,7 @@ def die():
 import faiss, cprag.indexing, cprag.retrieve
 from cprag.store import PassageStore
 count = [0]
-def hooked(name, real):
+def hooked(real):
     def call(*args, **kwargs):
         count[0] += 1
         if spec["mode"] == "event" and count[0] == spec["event"] and spec["when"] == "before":
@@ -42,10 +42,10 @@ def hooked(name, real):
             die()
         return result
     return call
-PassageStore.upsert = hooked("upsert", PassageStore.upsert)
-PassageStore.delete = hooked("delete", PassageStore.delete)
-faiss.write_index = hooked("write_index", faiss.write_index)
-os.replace = hooked("replace", os.replace)
+PassageStore.upsert = hooked(PassageStore.upsert)
+PassageStore.delete = hooked(PassageStore.delete)
+faiss.write_index = hooked(faiss.write_index)
+os.replace = hooked(os.replace)
 locked = cprag.indexing._build_locked
 def timed(*args, **kwargs):
     import time
