@@ -14,7 +14,7 @@ from cprag.corpus import Passage, Skipped, read_corpus, split_document
 from cprag.encode import encode_passages, tokenize_passage
 from cprag.errors import ConfigError, CorpusError, DiskFull, IndexCorrupt
 from cprag.lock import WriteLock
-from cprag.retrieve import PassageIndex, passage_text_for_retrieval
+from cprag.retrieve import FAISS_GLOBS, PassageIndex, faiss_files_for, passage_text_for_retrieval
 from cprag.store import (
     FORMAT_VERSION,
     MANIFEST,
@@ -118,9 +118,9 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     if not config.rebuild and (index_dir / MANIFEST).is_file():  # under the lock: no writer can change it now
         check_model(index_dir, read_manifest(index_dir), fingerprint)
     if config.rebuild and index_dir.exists():
-        for name in (MANIFEST, "lancedb", "faiss.index", "faiss_ids.json"):  # the commit point first
-            target = index_dir / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        (index_dir / MANIFEST).unlink(missing_ok=True)  # the commit point first
+        shutil.rmtree(index_dir / "lancedb", ignore_errors=True)
+        _remove_faiss_files(index_dir, keep=set())
     index_dir.mkdir(parents=True, exist_ok=True)
 
     passages: list[Passage] = []
@@ -147,7 +147,6 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     # an earlier one that was interrupted before its deletes; documents absent from this corpus are never removed
     stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in corpus_docs]
 
-
     tokens_encoded, encode_seconds = 0, 0.0
     for start in range(0, len(todo), config.chunk_passages):
         chunk = todo[start : start + config.chunk_passages]
@@ -162,11 +161,13 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
             on_progress("encode", start + len(chunk), len(todo))
     store.delete(stale)
 
+    # commit: the new version's FAISS files beside the old ones, then the manifest that names them
     passage_ids, vectors = store.embeddings()
-    PassageIndex.build(passage_ids, vectors).save(index_dir, store.version)
+    faiss_files = faiss_files_for(store.version)
+    PassageIndex.build(passage_ids, vectors).save(index_dir, faiss_files, store.version)
     totals = store.totals()
     manifest.update(
-        status="complete", table_version=store.version,
+        status="complete", table_version=store.version, faiss=faiss_files,
         counts={"documents": totals["documents"], "passages": totals["passages"], "tokens": totals["tokens"]},
         bytes_per_token=round(totals["key_and_id_bytes"] / max(totals["tokens"], 1), 2),
         disk_bytes_per_token=round(directory_bytes(index_dir) / max(totals["tokens"], 1), 2),
@@ -175,12 +176,20 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     manifest["kv_cache_over_keys"] = round(manifest["kv_cache_bytes_per_token"] / max(manifest["bytes_per_token"], 1),
                                            1)
     write_manifest(index_dir, manifest)
+    _remove_faiss_files(index_dir, keep=set(faiss_files.values()))  # no manifest names them any more
     return IndexReport(
         index=str(index_dir), documents=len(documents_read.documents), passages=len(passages), encoded=len(todo),
         unchanged=len(passages) - len(todo), removed=len(stale), tokens_encoded=tokens_encoded,
         encode_seconds=encode_seconds, seconds=time.perf_counter() - started, skipped=documents_read.skipped,
         manifest=manifest,
     )
+
+
+def _remove_faiss_files(index_dir: Path, keep: set[str]) -> None:
+    for pattern in FAISS_GLOBS:
+        for file in index_dir.glob(pattern):
+            if file.name not in keep:
+                file.unlink(missing_ok=True)
 
 
 def _manifest(model, fingerprint: str, embedder, config: IndexConfig, index_dir: Path) -> dict:

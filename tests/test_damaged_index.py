@@ -22,6 +22,11 @@ def newer_format(index: Path) -> None:
     (index / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
 
 
+def faiss_file(index: Path, kind: str) -> Path:
+    """The FAISS file (kind "index" or "ids") that the manifest's committed version names."""
+    return index / json.loads((index / "manifest.json").read_text())["faiss"][kind]
+
+
 def lance_data_removed(index: Path) -> None:
     for file in (index / "lancedb" / "passages.lance" / "data").iterdir():
         file.unlink()
@@ -31,12 +36,12 @@ DAMAGE = {
     "manifest truncated": (lambda i: truncate(i / "manifest.json"), "manifest.json is not valid JSON", "--rebuild"),
     "manifest missing": (lambda i: (i / "manifest.json").unlink(), "manifest.json is missing", "--rebuild"),
     "manifest of a newer format": (newer_format, "newer than this cprag reads", "upgrade cprag"),
-    "faiss.index truncated": (lambda i: truncate(i / "faiss.index"), "faiss.index is unreadable", "rebuilds the FAISS"),
-    "faiss.index missing": (lambda i: (i / "faiss.index").unlink(), "faiss.index is missing", "rebuilds the FAISS"),
-    "faiss ids truncated": (lambda i: truncate(i / "faiss_ids.json"), "faiss_ids.json is not valid JSON",
+    "faiss index truncated": (lambda i: truncate(faiss_file(i, "index")), ".index is unreadable",
+                              "rebuilds the FAISS"),
+    "faiss index missing": (lambda i: faiss_file(i, "index").unlink(), ".index is missing", "rebuilds the FAISS"),
+    "faiss ids truncated": (lambda i: truncate(faiss_file(i, "ids")), ".ids.json is not valid JSON",
                             "rebuilds the FAISS"),
-    "faiss ids missing": (lambda i: (i / "faiss_ids.json").unlink(), "faiss_ids.json is missing",
-                          "rebuilds the FAISS"),
+    "faiss ids missing": (lambda i: faiss_file(i, "ids").unlink(), ".ids.json is missing", "rebuilds the FAISS"),
     "lance data files missing": (lance_data_removed, "lancedb/passages is unreadable", "--rebuild"),
     "lance table missing": (lambda i: shutil.rmtree(i / "lancedb" / "passages.lance"),
                             "lancedb/passages is missing", "--rebuild"),
@@ -96,9 +101,41 @@ def test_faiss_ids_that_disagree_with_the_table_are_refused(built, tmp_path):
     root, checkpoint, corpus, embedder = built
     index = tmp_path / "idx"
     shutil.copytree(root / "clean", index)
-    for name in ("faiss.index", "faiss_ids.json"):  # FAISS files of another build of 3 of the 5 documents
-        shutil.copy(root / "small" / name, index / name)
+    for kind in ("index", "ids"):  # FAISS files of another build of 3 of the 5 documents
+        shutil.copy(faiss_file(root / "small", kind), faiss_file(index, kind))
     result = ask(index, checkpoint)
-    assert result.exit_code == 1 and "faiss_ids.json lists 3 passages but the table holds 5" in result.output
+    assert result.exit_code == 1 and ".ids.json lists 3 passages but the table holds 5" in result.output
     index_corpus(corpus, index, checkpoint, embedder)
     assert json.loads(ask(index, checkpoint).stdout)["passages"]
+
+
+def test_a_manifest_naming_faiss_files_outside_the_index_is_refused(built, tmp_path):
+    root, checkpoint, _, _ = built
+    index = tmp_path / "idx"
+    shutil.copytree(root / "clean", index)
+    manifest = json.loads((index / "manifest.json").read_text())
+    manifest["faiss"]["index"] = "../../elsewhere.index"
+    (index / "manifest.json").write_text(json.dumps(manifest))
+    result = ask(index, checkpoint)
+    assert result.exit_code == 1 and "manifest.json names no valid FAISS files" in result.output, result.output
+
+
+def test_a_format_1_index_is_read_and_the_next_update_rewrites_it_as_format_2(built, tmp_path):
+    """Format 1 kept its FAISS files under fixed names; they are still read, and the next update commits
+    version-named files and removes the old ones."""
+    root, checkpoint, corpus, embedder = built
+    index = tmp_path / "idx"
+    shutil.copytree(root / "clean", index)
+    manifest = json.loads((index / "manifest.json").read_text())
+    faiss_file(index, "index").rename(index / "faiss.index")
+    faiss_file(index, "ids").rename(index / "faiss_ids.json")
+    del manifest["faiss"]
+    (index / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    answer = ask(index, checkpoint)
+    assert answer.exit_code == 0 and json.loads(answer.stdout)["passages"], answer.output
+    rows = stored_rows(index)
+    assert index_corpus(corpus, index, checkpoint, embedder).encoded == 0 and stored_rows(index) == rows
+    manifest = json.loads((index / "manifest.json").read_text())
+    assert manifest["format_version"] == 2
+    assert sorted(p.name for p in index.glob("faiss*")) == sorted(manifest["faiss"].values())
+    assert json.loads(ask(index, checkpoint).stdout)["passages"] == json.loads(answer.stdout)["passages"]

@@ -88,12 +88,14 @@ def stored_rows(index_dir):
 def test_index_builds_manifest_rows_and_faiss(tmp_path, checkpoint, embedder):
     report = index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, embedder)
     manifest = report.manifest
-    assert report.encoded == 5 and manifest["status"] == "complete" and manifest["format_version"] == 1
+    assert report.encoded == 5 and manifest["status"] == "complete" and manifest["format_version"] == 2
     assert manifest["key_dim"] == 8 and manifest["retriever"]["name"] == "all-MiniLM-L6-v2"
     assert manifest["counts"]["passages"] == 5 and manifest["counts"]["tokens"] > 5 * 20
     assert manifest["bytes_per_token"] == 2 * 8 + 4  # fp16 key + int32 token id
     assert len(manifest["model_fingerprint"]) == 64
-    assert (tmp_path / "idx" / "faiss.index").is_file()
+    version = manifest["table_version"]  # the FAISS files are named by the table version they were built from
+    assert manifest["faiss"] == {"index": f"faiss-v{version}.index", "ids": f"faiss-v{version}.ids.json"}
+    assert sorted(p.name for p in (tmp_path / "idx").glob("faiss*")) == sorted(manifest["faiss"].values())
 
 
 def test_rerun_upserts_only_new_or_changed_documents_and_drops_stale_passages(tmp_path, checkpoint, embedder):

@@ -25,8 +25,8 @@ from test_reliability import V1, V2  # noqa: E402
 
 FAULTS = [
     ("SIGKILL at a random instant of the locked build", "time"),
-    ("SIGKILL just before or after a LanceDB upsert or delete commit, the FAISS write, or a file replace "
-     "(FAISS ids, FAISS vectors, manifest)", "event"),
+    ("SIGKILL just before or after a LanceDB upsert or delete commit, the FAISS write, a file replace "
+     "(FAISS ids, FAISS vectors, manifest) or the removal of the previous FAISS files", "event"),
 ]
 
 
@@ -66,16 +66,17 @@ passages are deleted, a new one). Up to three kills per trial, then runs resume 
 | problems | {len(result['problems'])} |
 
 ## What a reader saw right after each kill
-A finished version (`v1` before the update, `v2` after) equal row for row to its clean build, or a one-line error.
-`MIXED` (rows of two versions) would be a failure.
+A finished version (`v1` before the update, `v2` after) equal row for row to its clean build; after a first
+build killed before it finished, the one-line "unfinished" error. Any other error, or `MIXED` (rows of two
+versions), counts as a problem.
 
 | reader saw | kills |
 |---|---|
 {readers}
 
-`IndexUnfinished` / `IndexNotFound`: a first build killed before it finished ("rerun cprag index").
-`IndexCorrupt`: an update killed between its FAISS files and its manifest; the message says to rerun `cprag index`,
-which rebuilds FAISS from the stored passages. {chr(10).join('- ' + p for p in result['problems'][:20])}
+`IndexUnfinished` / `IndexNotFound`: a first build killed before it finished ("rerun cprag index"). An update
+writes the next version's FAISS files beside the old ones and commits by replacing the manifest, so wherever it
+dies readers keep the version the manifest names. {chr(10).join('- ' + p for p in result['problems'][:20])}
 """
 
 
