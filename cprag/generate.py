@@ -41,6 +41,19 @@ class Citation:
 
 
 @dataclass
+class Alternative:
+    """One greedy continuation of a first token: its answer and log p(its tokens, then the end)."""
+
+    answer: str
+    token_ids: list[int]
+    sources: list[tuple[int, int] | None]
+    log_prob: float
+
+    def score(self, length_penalty: float = 0.0) -> float:
+        return self.log_prob / max(len(self.token_ids), 1) ** length_penalty
+
+
+@dataclass
 class Generation:
     answer: str
     token_ids: list[int]
@@ -54,6 +67,9 @@ class Generation:
     # the probability of ending at once, before ending is barred: what no-answer training teaches (None
     # without passages)
     stop_probability: float | None = None
+
+    # every answer decoded (one per first token tried with `start_beam`; the chosen one among them)
+    alternatives: list[Alternative] = field(default_factory=list)
 
     @property
     def copy_rate(self) -> float:
@@ -164,6 +180,8 @@ def generate(
     whole_words: bool = True,
     visible_keys: bool = True,
     min_confidence: float = 0.0,
+    start_beam: int = 1,
+    length_penalty: float = 0.0,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
 
@@ -182,12 +200,18 @@ def generate(
     `confidence` (the copy path's probability of that first token) decides whether it is given at all: below
     `min_confidence` the generation is empty and marked `no_answer` (the passages hold no answer).
 
+    `start_beam` > 1 (with passages) also decodes greedily from the next `start_beam - 1` most probable first
+    tokens and answers with the most probable whole answer, scored as log p(answer tokens, then the end) divided
+    by length ** `length_penalty`. The confidence and the abstention stay those of the greedy first token.
+
     A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
     and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
     the same token from the same entry, so the answer is exactly the plain greedy one, in fewer passes.
     """
     if choose not in ("entry", "token"):
         raise ValueError(f"choose must be 'entry' or 'token', not {choose!r}")
+    if start_beam < 1:
+        raise ValueError(f"start_beam must be at least 1, not {start_beam}")
     window = model.config.max_position_embeddings
     bodies, spans = [], []
     if mode == "visible":
@@ -223,8 +247,6 @@ def generate(
                                query_positions=last, copyable=copyable)
     out.context.cache = cache
     step, context = Step.at(out, -1), out.context
-    tokens: list[int] = []
-    sources: list[tuple[int, int] | None] = []
 
     def pick(step: Step, context, offset: int = 0) -> tuple[int, int | None]:
         """The next (token, external entry) at a step whose context ends `offset` positions before its last."""
@@ -233,7 +255,7 @@ def generate(
             return token, _copied_source(step, token, memory)
         return _best_derivation(step, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]), memory)
 
-    confidence, first, stop_probability = None, None, None
+    confidence, first, stop_probability, starts = None, None, None, []
     if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
         stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
         step = _without_stops(step, stop, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]))
@@ -242,49 +264,75 @@ def generate(
         if confidence < min_confidence:
             return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(prompt), confidence=confidence,
                               no_answer=True, stop_probability=stop_probability)
-
-    def emit(token: int, entry: int | None) -> None:
-        tokens.append(token)
-        sources.append(None if entry is None else (int(owner[entry]), int(position[entry])))
+        # the greedy first token, then the next most probable ones, each credited to the entry that gave it most
+        others = [int(t) for t in step.log_probs.topk(start_beam + 1).indices if int(t) != first[0]]
+        starts = [first] + [(t, _copied_source(step, t, memory)) for t in others[: start_beam - 1]]
 
     def word_goes_on(entry: int | None) -> bool:
         """Entry `entry` finishes the word its predecessor's copy started (so it must be copied next)."""
         return (continues is not None and entry is not None and 0 < entry < len(continues)
                 and bool(continues[entry]) and owner[entry] == owner[entry - 1])
 
-    entry = None
-    while len(tokens) < max_new_tokens:
-        if first is not None:
-            (token, entry), first = first, None
-        elif entry is not None and word_goes_on(entry + 1):
-            entry = entry + 1
-            token = int(memory.ids[0, entry])
-        else:
-            token, entry = pick(step, context)
-        if token in stop:
-            break
-        emit(token, entry)
-        if len(tokens) == max_new_tokens:
-            break
-        draft = _successors(entry, owner, min(draft_tokens, max_new_tokens - len(tokens)))
-        feed = [token] + [int(memory.ids[0, e]) for e in draft]
-        previous = [-1 if entry is None else entry] + draft  # the successor bias sees each token's source
-        out = model(torch.tensor([feed], device=device), memory=memory, context=context, use_cache=True,
-                    prev_source=torch.tensor([previous], device=device))
-        kept = 0
-        for drafted in draft:
-            step = Step.at(out, kept)
-            if not word_goes_on(drafted):
-                guess, source = pick(step, out.context)
-                if guess != int(memory.ids[0, drafted]) or guess in stop or source != drafted:
-                    break
-            emit(int(memory.ids[0, drafted]), drafted)
-            entry = drafted
-            kept += 1
-        step, context = Step.at(out, kept), _rewind(out.context, len(draft) - kept)
+    def decode(first: tuple[int, int | None] | None, step: Step, context) -> Alternative:
+        """Greedy decoding from the prompt's last step, starting with `first` when given."""
+        tokens: list[int] = []
+        sources: list[tuple[int, int] | None] = []
+        log_prob = 0.0
+
+        def emit(token: int, entry: int | None, at: Step) -> None:
+            nonlocal log_prob
+            log_prob += float(at.log_probs[token])
+            tokens.append(token)
+            sources.append(None if entry is None else (int(owner[entry]), int(position[entry])))
+
+        entry = None
+        while len(tokens) < max_new_tokens:
+            if first is not None:
+                (token, entry), first = first, None
+            elif entry is not None and word_goes_on(entry + 1):
+                entry = entry + 1
+                token = int(memory.ids[0, entry])
+            else:
+                token, entry = pick(step, context)
+            if token in stop:
+                log_prob += float(step.log_probs[token])
+                break
+            emit(token, entry, step)
+            if len(tokens) == max_new_tokens:
+                break
+            draft = _successors(entry, owner, min(draft_tokens, max_new_tokens - len(tokens)))
+            feed = [token] + [int(memory.ids[0, e]) for e in draft]
+            previous = [-1 if entry is None else entry] + draft  # the successor bias sees each token's source
+            out = model(torch.tensor([feed], device=device), memory=memory, context=context, use_cache=True,
+                        prev_source=torch.tensor([previous], device=device))
+            kept = 0
+            for drafted in draft:
+                step = Step.at(out, kept)
+                if not word_goes_on(drafted):
+                    guess, source = pick(step, out.context)
+                    if guess != int(memory.ids[0, drafted]) or guess in stop or source != drafted:
+                        break
+                emit(int(memory.ids[0, drafted]), drafted, step)
+                entry = drafted
+                kept += 1
+            step, context = Step.at(out, kept), _rewind(out.context, len(draft) - kept)
+        answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        return Alternative(answer, tokens, sources, log_prob)
+
+    if len(starts) > 1:
+        alternatives = []
+        for start in starts:
+            alternatives.append(decode(start, step, context))
+            extra = context.cache.get_seq_length() - len(prompt)
+            if extra > 0:
+                context.cache.crop(-extra)  # back to the prompt for the next start
+        best = max(alternatives, key=lambda a: a.score(length_penalty))
+    else:
+        best = decode(first, step, context)
+        alternatives = [best]
     generation = Generation(
-        answer=tokenizer.decode(tokens, skip_special_tokens=True).strip(), token_ids=tokens, sources=sources,
-        prompt_tokens=len(prompt), confidence=confidence, stop_probability=stop_probability,
+        answer=best.answer, token_ids=best.token_ids, sources=best.sources, prompt_tokens=len(prompt),
+        confidence=confidence, stop_probability=stop_probability, alternatives=alternatives,
     )
     generation.citations = citations(generation, passages) if memory is not None else []
     return generation

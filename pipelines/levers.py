@@ -31,6 +31,8 @@ def head(**change) -> dict:
 VARIANTS: dict[str, dict] = {
     "default: adapters on blocks 24-29, all training questions, bf16": {},
     "frozen backbone (no adapters: the stop-gradient ablation)": head(adapter_layers=None),
+    # capacity: 4 times the rank at the same per-component scale (alpha / rank = 2)
+    "adapters rank 64 on blocks 24-29": head(adapter_rank=64, adapter_alpha=128.0),
     "no lexical features": head(lexical_prior=False),
     "4.6k training questions": {"max_questions": 4571},
     "20k training questions": {"max_questions": 20000},
