@@ -22,6 +22,8 @@ from cprag.store import check_model, directory_bytes, read_manifest
 # in-corpus questions fall; on 2,818 SQuAD dev questions whose article is indexed 0.25% fall below 0.25, and 15.5%
 # of 2,847 questions whose article is not (eval/retrieval_floor.py, eval/retrieval-floor/)
 MIN_RETRIEVAL_SCORE = 0.25
+# first tokens decoded per question; the likeliest whole answer is kept (1: plain greedy; eval/start-beam/)
+START_BEAM = 1
 
 
 @dataclass
@@ -82,10 +84,12 @@ class Index:
         return self.passage_index.search(self.embedder.embed(questions), k)
 
     def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
-            min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE) -> Answer:
+            min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
+            start_beam: int = START_BEAM) -> Answer:
         """Answer from the k retrieved passages. Withheld as "no answer": questions whose best passage scores
         below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
-        `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0)."""
+        `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0). `start_beam` first tokens are decoded
+        and the likeliest whole answer is kept."""
         if mode not in MODES:
             raise ConfigError("--mode", mode, f"expected one of {', '.join(MODES)}")
         if not any(ch.isprintable() and not ch.isspace() for ch in question):
@@ -95,6 +99,8 @@ class Index:
             raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
         if not -1.0 <= min_retrieval_score <= 1.0:
             raise ConfigError("--min-retrieval-score", min_retrieval_score, "must be a cosine in [-1, 1]")
+        if start_beam < 1:
+            raise ConfigError("--start-beam", start_beam, "must be at least 1")
         # bad input before any work, and before the retrieval floor could answer it "no answer"
         needed = len(prompt_ids(self.tokenizer, question)) + max_new_tokens
         if needed > self.model.config.max_position_embeddings:
@@ -115,7 +121,7 @@ class Index:
                           timings_ms={name: round(ms, 1) for name, ms in timings.items()})
         tick = time.perf_counter()
         generation = generate(self.model, self.tokenizer, question, passages, mode, max_new_tokens,
-                              min_confidence=threshold)
+                              min_confidence=threshold, start_beam=start_beam)
         timings["generate"] = (time.perf_counter() - tick) * 1000
         timings["total"] = sum(timings.values())
         return Answer(

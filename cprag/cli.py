@@ -194,6 +194,10 @@ def index_command(
                   f"{report.manifest['bytes_per_token']} bytes/token in {report.seconds:.1f}s")
 
 
+START_BEAM_OPTION = typer.Option(None, "--start-beam", help="Decode from this many most probable first tokens and "
+                                  "keep the likeliest whole answer (default: cprag.api.START_BEAM; 1: greedy).")
+
+
 @app.command("ask")
 @reports_errors
 def ask_command(
@@ -210,6 +214,7 @@ def ask_command(
     min_retrieval_score: float = typer.Option(None, "--min-retrieval-score", help="Say the passages hold no "
                                               "answer, without decoding, when the best passage's retrieval score "
                                               "is below this (default 0.25, measured on SQuAD; -1 never)."),
+    start_beam: int = START_BEAM_OPTION,
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     as_json: bool = JSON_OPTION,
@@ -219,9 +224,12 @@ def ask_command(
 
     Example: cprag ask "When was the lighthouse at Varna Point built?" --index indexes/demo
     """
-    from cprag.api import MIN_RETRIEVAL_SCORE, Index
+    from cprag.api import MIN_RETRIEVAL_SCORE, START_BEAM, Index
     from cprag.errors import ConfigError
 
+    start_beam = START_BEAM if start_beam is None else start_beam
+    if start_beam < 1:  # before seconds of loading
+        raise ConfigError("--start-beam", start_beam, "must be at least 1")
     floor = MIN_RETRIEVAL_SCORE if min_retrieval_score is None else min_retrieval_score
     if (question is None) == (questions is None):
         raise ConfigError("QUESTION/--questions", question or questions, "give a question or --questions, not both")
@@ -233,7 +241,7 @@ def ask_command(
         opened = Index(index, checkpoint=checkpoint, device=device)
     for item in batch:
         answer = opened.ask(item, k=k, mode=mode, max_new_tokens=max_new_tokens, min_confidence=min_confidence,
-                            min_retrieval_score=floor)
+                            min_retrieval_score=floor, start_beam=start_beam)
         if as_json:
             emit_json(answer.to_json())
         else:
@@ -454,6 +462,7 @@ def eval_squad_command(
     held_out: bool = typer.Option(False, "--held-out", help="Only questions of the articles the checkpoint's "
                                   "training held out (named in its train_config.json)."),
     min_confidence: float = MIN_CONFIDENCE_EVAL,
+    start_beam: int = START_BEAM_OPTION,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -463,6 +472,7 @@ def eval_squad_command(
     Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 1000 --out eval/runs/sq
     Example: cprag eval squad DATA --index indexes/squad --limit 300 --out eval/runs/squad-retrieved
     """
+    from cprag.api import START_BEAM
     from cprag.checkpoint import held_out_articles
     from cprag.errors import ConfigError
     from cprag.evaluate import SquadEvalConfig, evaluate_squad, write_squad_report
@@ -471,6 +481,7 @@ def eval_squad_command(
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
+                             start_beam=START_BEAM if start_beam is None else start_beam,
                              articles=tuple(held_out_articles(checkpoint)) if held_out else None)
     with err.status("loading the model"):
         if index is not None:

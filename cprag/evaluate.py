@@ -29,6 +29,7 @@ class SquadEvalConfig:
     max_new_tokens: int = 32
     articles: tuple[str, ...] | None = None  # only questions of these articles (a checkpoint's held-out ones)
     min_confidence: float = 0.0  # withhold answers below this confidence (0: always answer)
+    start_beam: int = 1  # first tokens decoded per question (1: greedy)
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -40,6 +41,8 @@ class SquadEvalConfig:
             raise ConfigError("-k", self.k, "must be at least 1")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ConfigError("--min-confidence", self.min_confidence, "must be a probability in [0, 1]")
+        if self.start_beam < 1:
+            raise ConfigError("--start-beam", self.start_beam, "must be at least 1")
 
 
 def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):
@@ -82,7 +85,7 @@ def evaluate_squad(
     if index is None:
         results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                                   config.seed, config.max_new_tokens, on_result=tick,
-                                  min_confidence=config.min_confidence)
+                                  min_confidence=config.min_confidence, start_beam=config.start_beam)
     else:
         results, extra = _evaluate_with_index(index, examples, config, tick)
     summary = summarize(results) if results else {}
@@ -124,7 +127,7 @@ def _evaluate_with_index(index, examples, config: SquadEvalConfig, tick) -> tupl
             misses = index.cache.misses
             tick_start = time.perf_counter()
             answer = index.ask(example.question, k=config.k, mode=mode, max_new_tokens=config.max_new_tokens,
-                               min_confidence=config.min_confidence)
+                               min_confidence=config.min_confidence, start_beam=config.start_beam)
             latency = (time.perf_counter() - tick_start) * 1000
             retrieved = [p["doc_id"] for p in answer.passages]
             if mode != "closed":

@@ -73,6 +73,7 @@ def evaluate_oracle(
     model, tokenizer, examples: list[QAExample], passages: dict[str, tuple[str, str]], modes: list[str],
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
     on_result: Callable[[QAResult], None] | None = None, choose: str = "token", min_confidence: float = 0.0,
+    start_beam: int = 1,
 ) -> list[QAResult]:
     """Each example in each mode with its gold passage plus `distractors` others (seeded), scored against its
     references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one)."""
@@ -86,7 +87,8 @@ def evaluate_oracle(
         for mode in modes:
             tick = time.perf_counter()
             generation = generate(model, tokenizer, example.question, shards if mode != "closed" else [], mode,
-                                  max_new_tokens, choose=choose, min_confidence=min_confidence)
+                                  max_new_tokens, choose=choose, min_confidence=min_confidence,
+                                  start_beam=start_beam)
             em, f1 = squad2_question_scores(generation.answer, example.answers)
             result = QAResult(
                 qid=example.qid, mode=mode, question=example.question, prediction=generation.answer,

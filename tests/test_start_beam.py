@@ -62,3 +62,19 @@ def test_each_start_is_decoded_from_the_prompt_and_the_likeliest_answer_is_kept(
 def test_start_beam_must_be_positive(index):
     with pytest.raises(ValueError, match="start_beam"):
         generate(index.model, index.tokenizer, QUESTIONS[0], [], start_beam=0)
+
+
+def test_the_cli_takes_start_beam_and_refuses_zero(index, checkpoint):  # noqa: F811
+    import json
+
+    from typer.testing import CliRunner
+
+    from cprag.cli import app
+
+    base = ["--index", str(index.path), "--checkpoint", str(checkpoint), "-k", "2", "--min-retrieval-score", "-1"]
+    bad = CliRunner().invoke(app, ["ask", QUESTIONS[0], "--start-beam", "0", *base])
+    assert bad.exit_code == 2 and "--start-beam" in bad.output and len(bad.output.strip().splitlines()) == 1
+    beam = CliRunner().invoke(app, ["ask", QUESTIONS[0], "--start-beam", "3", "--json", *base])
+    assert beam.exit_code == 0, beam.output
+    expected = index.ask(QUESTIONS[0], k=2, min_retrieval_score=-1, start_beam=3)
+    assert json.loads(beam.stdout)["answer"] == expected.answer
