@@ -166,17 +166,20 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     faiss_files = faiss_files_for(store.version)
     PassageIndex.build(passage_ids, vectors).save(index_dir, faiss_files, store.version)
     totals = store.totals()
+    named = set(faiss_files.values())
+    # the previous version's FAISS files stay until this manifest commits: they are not this version's bytes
+    disk_bytes = directory_bytes(index_dir) - sum(f.stat().st_size for f in _faiss_files(index_dir, keep=named))
     manifest.update(
         status="complete", table_version=store.version, faiss=faiss_files,
         counts={"documents": totals["documents"], "passages": totals["passages"], "tokens": totals["tokens"]},
         bytes_per_token=round(totals["key_and_id_bytes"] / max(totals["tokens"], 1), 2),
-        disk_bytes_per_token=round(directory_bytes(index_dir) / max(totals["tokens"], 1), 2),
+        disk_bytes_per_token=round(disk_bytes / max(totals["tokens"], 1), 2),
         updated=now(),
     )
     manifest["kv_cache_over_keys"] = round(manifest["kv_cache_bytes_per_token"] / max(manifest["bytes_per_token"], 1),
                                            1)
     write_manifest(index_dir, manifest)
-    _remove_faiss_files(index_dir, keep=set(faiss_files.values()))  # no manifest names them any more
+    _remove_faiss_files(index_dir, keep=named)  # no manifest names them any more
     return IndexReport(
         index=str(index_dir), documents=len(documents_read.documents), passages=len(passages), encoded=len(todo),
         unchanged=len(passages) - len(todo), removed=len(stale), tokens_encoded=tokens_encoded,
@@ -185,11 +188,14 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     )
 
 
+def _faiss_files(index_dir: Path, keep: set[str]) -> list[Path]:
+    """FAISS files (and their staging copies) in `index_dir` other than those named in `keep`."""
+    return sorted({f for pattern in FAISS_GLOBS for f in index_dir.glob(pattern) if f.name not in keep})
+
+
 def _remove_faiss_files(index_dir: Path, keep: set[str]) -> None:
-    for pattern in FAISS_GLOBS:
-        for file in index_dir.glob(pattern):
-            if file.name not in keep:
-                file.unlink(missing_ok=True)
+    for file in _faiss_files(index_dir, keep):
+        file.unlink(missing_ok=True)
 
 
 def _manifest(model, fingerprint: str, embedder, config: IndexConfig, index_dir: Path) -> dict:
