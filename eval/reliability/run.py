@@ -63,7 +63,8 @@ passages are deleted, a new one). Up to three kills per trial, then runs resume 
 | passages lost | {result['lost']} |
 | passages duplicated | {result['duplicated']} |
 | passages that should not be there | {result['extra']} |
-| problems | {len(result['problems'])} |
+| problems (a run that failed, a reader that saw an error after an update's kill or a mix of versions, FAISS \
+files left that no manifest names) | {len(result['problems'])} |
 
 ## What a reader saw right after each kill
 A finished version (`v1` before the update, `v2` after) equal row for row to its clean build; after a first
