@@ -264,9 +264,9 @@ def generate(
         if confidence < min_confidence:
             return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(prompt), confidence=confidence,
                               no_answer=True, stop_probability=stop_probability)
-        # the greedy first token, then the next most probable ones, each credited to the entry that gave it most
-        others = [int(t) for t in step.log_probs.topk(start_beam + 1).indices if int(t) != first[0]]
-        starts = [first] + [(t, _copied_source(step, t, memory)) for t in others[: start_beam - 1]]
+        if start_beam > 1:  # the greedy first token, then the next most probable ones, each credited to its entry
+            others = [int(t) for t in step.log_probs.topk(start_beam + 1).indices if int(t) != first[0]]
+            starts = [first] + [(t, _copied_source(step, t, memory)) for t in others[: start_beam - 1]]
 
     def word_goes_on(entry: int | None) -> bool:
         """Entry `entry` finishes the word its predecessor's copy started (so it must be copied next)."""

@@ -68,9 +68,9 @@ def _stamp(path: Path) -> tuple | None:
 
 
 def faiss_files(path: Path, manifest: dict) -> dict[str, str]:
-    files = manifest.get("faiss", LEGACY_FAISS_FILES)
     if manifest.get("format_version") == 1:
         return LEGACY_FAISS_FILES
+    files = manifest.get("faiss")
     valid = isinstance(files, dict) and all(isinstance(files.get(k), str) and "/" not in files[k]
                                             and files[k].startswith("faiss") for k in ("index", "ids"))
     if not valid:
