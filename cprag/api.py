@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
+from cprag.batch_generate import batch_supported, generate_batch
 from cprag.cache import KeyCache
-from cprag.checkpoint import load_model, model_fingerprint
-from cprag.errors import ConfigError, QuestionTooLong, TooFewPassages
+from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
+from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.generate import MODES, Citation, generate
 from cprag.prompt import prompt_ids
+from cprag.rerank import RERANKER_FILE, StartReranker
 from cprag.retrieve import MiniLMEmbedder
+from cprag.runtime import default_device, resolve_dtype
 from cprag.snapshot import open_snapshot
 from cprag.store import check_model, directory_bytes, read_manifest
 
@@ -24,6 +26,8 @@ from cprag.store import check_model, directory_bytes, read_manifest
 MIN_RETRIEVAL_SCORE = 0.25
 # first tokens decoded per question; the likeliest whole answer is kept (1: plain greedy; eval/start-beam/)
 START_BEAM = 1
+# questions decoded per backbone pass by `Index.ask_many` and `ask --questions` (cprag.batch_generate)
+BATCH_SIZE = 16
 
 
 @dataclass
@@ -49,29 +53,33 @@ class Answer:
         return payload
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class Index:
     """An opened index with its generator, retriever and key-shard cache, reused across questions."""
 
     def __init__(self, path: str | Path, checkpoint: str | Path | None = None, device: str | None = None,
-                 model=None, tokenizer=None, cache_bytes: int = 512 * 2**20):
+                 model=None, tokenizer=None, cache_bytes: int = 512 * 2**20, dtype: str | None = None):
         self.path = Path(path)
+        self.checkpoint = None if checkpoint is None else Path(checkpoint)  # None: the shipped one
         # the index's own files first: a damaged index fails in milliseconds, before seconds of model loading;
         # the last committed version, even while `cprag index` updates it (cprag.snapshot)
         snapshot = open_snapshot(self.path)
         self.manifest, self.store, self.passage_index = snapshot.manifest, snapshot.store, snapshot.passage_index
         self.device = device or default_device()
-        dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        model_given = model is not None
         if model is None:
             model, tokenizer = load_model(checkpoint)
-            model = model.to(self.device, dtype)
-        check_model(self.path, self.manifest, model_fingerprint(model))
+            # the fingerprint of the stored (fp32) weights: an index built on a CPU opens on a GPU in bf16
+            fingerprint = model_fingerprint(model)
+            model = model.to(self.device, resolve_dtype(self.device, dtype))
+        else:
+            fingerprint = model_fingerprint(model)
+        check_model(self.path, self.manifest, fingerprint)
         self.model, self.tokenizer = model, tokenizer
         self.embedder = MiniLMEmbedder(self.device)
         self.cache = KeyCache(self.device, next(model.parameters()).dtype, max_bytes=cache_bytes)
+        # the checkpoint's StartReranker (cprag.rerank), which chooses among start-beam answers; None: the likeliest
+        # (a model handed in without its checkpoint directory has none)
+        self.reranker = None if model_given and checkpoint is None else load_reranker(checkpoint, model.config)
 
     def __len__(self) -> int:
         return len(self.passage_index)
@@ -90,10 +98,69 @@ class Index:
         below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
         `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0). `start_beam` first tokens are decoded
         and the likeliest whole answer is kept."""
+        return self.ask_many([question], k, mode, max_new_tokens, min_confidence, min_retrieval_score, start_beam,
+                             batch_size=1)[0]
+
+    def ask_many(self, questions: list[str], k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
+                 min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
+                 start_beam: int = START_BEAM, batch_size: int = BATCH_SIZE) -> list[Answer]:
+        """`ask` for each question, with `batch_size` questions decoded per backbone pass (hidden mode, greedy):
+        the same answers as one at a time, in fewer passes. Every question is checked before any is answered."""
+        threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
+                                max_new_tokens)
+        tick = time.perf_counter()
+        hits = self.retrieve(questions, k) if mode != "closed" else [[] for _ in questions]
+        retrieve_ms = (time.perf_counter() - tick) * 1000 / len(questions)
+        answers: list[Answer | None] = [None] * len(questions)
+        pending = []  # (question index, passages, read, timings) of the questions to decode
+        for number, (question, found) in enumerate(zip(questions, hits, strict=True)):
+            timings = {"retrieve": retrieve_ms}
+            tick = time.perf_counter()
+            passages = self.cache.get([h.passage_id for h in found], self.store.fetch)
+            timings["load_keys"] = (time.perf_counter() - tick) * 1000
+            read = [{"doc_id": p.passage.doc_id, "passage_id": h.passage_id, "score": round(h.score, 4)}
+                    for p, h in zip(passages, found, strict=True)]
+            if found and found[0].score < min_retrieval_score:
+                timings["total"] = sum(timings.values())
+                answers[number] = Answer(question=question, answer="", mode=mode, citations=[], passages=read,
+                                         copy_rate=0.0, no_answer=True, no_answer_reason="retrieval",
+                                         timings_ms={name: round(ms, 1) for name, ms in timings.items()})
+            else:
+                pending.append((number, passages, read, timings))
+        batched = batch_size > 1 and start_beam == 1 and batch_supported(self.model, mode)
+        step = batch_size if batched else 1
+        for first in range(0, len(pending), step):
+            group = pending[first : first + step]
+            tick = time.perf_counter()
+            if batched:
+                generations = generate_batch(self.model, self.tokenizer, [questions[n] for n, *_ in group],
+                                             [p for _, p, *_ in group], max_new_tokens, min_confidence=threshold)
+            else:
+                generations = [generate(self.model, self.tokenizer, questions[n], p, mode, max_new_tokens,
+                                        min_confidence=threshold, start_beam=start_beam, reranker=self.reranker)
+                               for n, p, *_ in group]
+            generate_ms = (time.perf_counter() - tick) * 1000 / len(group)  # a batch's time, shared evenly
+            for (number, _, read, timings), generation in zip(group, generations, strict=True):
+                timings["generate"] = generate_ms
+                timings["total"] = sum(timings.values())
+                answers[number] = Answer(
+                    question=questions[number], answer=generation.answer, mode=mode,
+                    citations=generation.citations, passages=read, copy_rate=round(generation.copy_rate, 3),
+                    confidence=None if generation.confidence is None else round(generation.confidence, 4),
+                    no_answer=generation.no_answer, no_answer_reason="confidence" if generation.no_answer else None,
+                    timings_ms={name: round(ms, 1) for name, ms in timings.items()},
+                )
+        return answers
+
+    def check_questions(self, questions, mode="hidden", min_confidence=None, min_retrieval_score=MIN_RETRIEVAL_SCORE,
+                        start_beam=START_BEAM, batch_size=BATCH_SIZE,
+                        max_new_tokens=32) -> float:
+        """Bad input before any work (and before the retrieval floor could answer it "no answer"); returns the
+        confidence threshold."""
         if mode not in MODES:
             raise ConfigError("--mode", mode, f"expected one of {', '.join(MODES)}")
-        if not any(ch.isprintable() and not ch.isspace() for ch in question):
-            raise ConfigError("question", question, "is empty (nothing but spaces or control characters)")
+        if not questions:
+            raise ConfigError("questions", questions, "no questions to answer")
         threshold = self.model.config.min_confidence if min_confidence is None else min_confidence
         if not 0.0 <= threshold <= 1.0:
             raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
@@ -101,36 +168,28 @@ class Index:
             raise ConfigError("--min-retrieval-score", min_retrieval_score, "must be a cosine in [-1, 1]")
         if start_beam < 1:
             raise ConfigError("--start-beam", start_beam, "must be at least 1")
-        # bad input before any work, and before the retrieval floor could answer it "no answer"
-        needed = len(prompt_ids(self.tokenizer, question)) + max_new_tokens
-        if needed > self.model.config.max_position_embeddings:
-            raise QuestionTooLong(needed, self.model.config.max_position_embeddings)
-        timings = {}
-        tick = time.perf_counter()
-        hits = self.retrieve([question], k)[0] if mode != "closed" else []
-        timings["retrieve"] = (time.perf_counter() - tick) * 1000
-        tick = time.perf_counter()
-        passages = self.cache.get([h.passage_id for h in hits], self.store.fetch)
-        timings["load_keys"] = (time.perf_counter() - tick) * 1000
-        read = [{"doc_id": p.passage.doc_id, "passage_id": h.passage_id, "score": round(h.score, 4)}
-                for p, h in zip(passages, hits, strict=True)]
-        if hits and hits[0].score < min_retrieval_score:
-            timings["total"] = sum(timings.values())
-            return Answer(question=question, answer="", mode=mode, citations=[], passages=read, copy_rate=0.0,
-                          no_answer=True, no_answer_reason="retrieval",
-                          timings_ms={name: round(ms, 1) for name, ms in timings.items()})
-        tick = time.perf_counter()
-        generation = generate(self.model, self.tokenizer, question, passages, mode, max_new_tokens,
-                              min_confidence=threshold, start_beam=start_beam)
-        timings["generate"] = (time.perf_counter() - tick) * 1000
-        timings["total"] = sum(timings.values())
-        return Answer(
-            question=question, answer=generation.answer, mode=mode, citations=generation.citations,
-            passages=read, copy_rate=round(generation.copy_rate, 3),
-            confidence=None if generation.confidence is None else round(generation.confidence, 4),
-            no_answer=generation.no_answer, no_answer_reason="confidence" if generation.no_answer else None,
-            timings_ms={name: round(ms, 1) for name, ms in timings.items()},
-        )
+        if batch_size < 1:
+            raise ConfigError("--batch-size", batch_size, "must be at least 1")
+        for question in questions:
+            if not any(ch.isprintable() and not ch.isspace() for ch in question):
+                raise ConfigError("question", question, "is empty (nothing but spaces or control characters)")
+            needed = len(prompt_ids(self.tokenizer, question)) + max_new_tokens
+            if needed > self.model.config.max_position_embeddings:
+                raise QuestionTooLong(needed, self.model.config.max_position_embeddings)
+        return threshold
+
+
+def load_reranker(checkpoint: str | Path | None, model_config) -> StartReranker | None:
+    """The start reranker shipped beside a checkpoint (default: the shipped one's), or None."""
+    directory = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    try:
+        reranker = StartReranker.load(directory)
+    except (ValueError, TypeError, json.JSONDecodeError) as error:
+        raise CheckpointError(str(directory), f"unreadable {RERANKER_FILE}: {error}") from None
+    if reranker is not None and not reranker.fits(model_config):
+        raise CheckpointError(str(directory), f"{RERANKER_FILE} reads {len(reranker.weights)} features, not what "
+                              "this checkpoint's lexical features give: it belongs to another checkpoint")
+    return reranker
 
 
 def ask(question: str, index: str | Path, k: int = 5, mode: str = "hidden", **kwargs) -> Answer:

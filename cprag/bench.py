@@ -4,6 +4,8 @@
 - latency/hidden_over_visible@k{1,5,10}: ask latency with passages as keys vs in the prompt, same decode length
 - index/throughput_over_forward: key encoding tokens/s over the bare backbone forward on the same batches
 - reuse/warm_over_cold_qps: batch questions per second with a warm key-shard cache over a cold one
+- batch/qps@B for B in 1, 4, 16, 64: questions per second with B questions decoded per backbone pass
+  (`Index.ask_many`), and batch/qps@16_over_qps@1; batch/answers_identical says every B gave the B=1 answers
 """
 
 from __future__ import annotations
@@ -114,6 +116,33 @@ def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -
     warm = run(clear=False)
     return {"reuse/cold_qps": round(cold, 3), "reuse/warm_qps": round(warm, 3),
             "reuse/warm_over_cold_qps": round(warm / cold, 3)}
+
+
+def batch_throughput(index, questions: list[str], k: int = 5, sizes=(1, 4, 16, 64), max_new_tokens: int = 32
+                     ) -> dict[str, float]:
+    """Questions per second of `Index.ask_many` at each batch size, warm key-shard cache, answers to their natural
+    end (a batch waits for its longest answer), and whether every size gave the same answers as size 1."""
+    k = min(k, len(index))
+    options = dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0)
+    index.ask_many(questions, batch_size=max(sizes), **options)  # warm: every shard cached, every op traced
+    figures, answers = {"batch/questions": len(questions), "batch/k": k}, {}
+    for size in sizes:
+        start = time.perf_counter()
+        answers[size] = index.ask_many(questions, batch_size=size, **options)
+        figures[f"batch/qps@{size}"] = round(len(questions) / (time.perf_counter() - start), 3)
+    if 1 in sizes and 16 in sizes:
+        figures["batch/qps@16_over_qps@1"] = round(figures["batch/qps@16"] / figures["batch/qps@1"], 2)
+    reference = [(a.answer, [c.text for c in a.citations]) for a in answers[min(sizes)]]
+    figures["batch/answers_identical"] = int(all(
+        [(a.answer, [c.text for c in a.citations]) for a in got] == reference for got in answers.values()))
+    return figures
+
+
+def bench_questions(titles: list[str], count: int) -> list[str]:
+    """`count` questions about the corpus's documents, four kinds per title, in a fixed order."""
+    forms = ["What is said about {}?", "When did {} happen?", "Who is behind {}?", "Where is {}?"]
+    asked = [form.format(title) for form in forms for title in titles]
+    return (asked * (count // max(len(asked), 1) + 1))[:count]
 
 
 def memory_figures(index) -> dict[str, float]:

@@ -194,6 +194,11 @@ def index_command(
                   f"{report.manifest['bytes_per_token']} bytes/token in {report.seconds:.1f}s")
 
 
+EVAL_BATCH_OPTION = typer.Option(1, "--batch-size", help="Hidden-mode questions decoded per backbone pass (with "
+                                 "--oracle; the same answers, and latency becomes each question's share of its "
+                                 "batch).")
+DTYPE_OPTION = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on "
+                            "CPU; see cprag.runtime).")
 START_BEAM_OPTION = typer.Option(None, "--start-beam", help="Decode from this many most probable first tokens and "
                                   "keep the likeliest whole answer (default: cprag.api.START_BEAM; 1: greedy).")
 
@@ -215,21 +220,32 @@ def ask_command(
                                               "answer, without decoding, when the best passage's retrieval score "
                                               "is below this (default 0.25, measured on SQuAD; -1 never)."),
     start_beam: int = START_BEAM_OPTION,
+    batch_size: int = typer.Option(None, "--batch-size", help="With --questions: questions decoded per backbone "
+                                   "pass (default: cprag.api.BATCH_SIZE; same answers as one at a time)."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,
 ):
     """Answer from hidden documents: retrieve k passages, load their keys, and let the CP head copy the answer.
     When the passages hold no answer it says so, and still lists the passages it read.
 
     Example: cprag ask "When was the lighthouse at Varna Point built?" --index indexes/demo
+    Example: cprag ask --questions questions.txt --index indexes/demo --batch-size 16 --json
     """
-    from cprag.api import MIN_RETRIEVAL_SCORE, START_BEAM, Index
+    from cprag.api import BATCH_SIZE, MIN_RETRIEVAL_SCORE, START_BEAM, Index
     from cprag.errors import ConfigError
 
     start_beam = START_BEAM if start_beam is None else start_beam
+    batch_size = BATCH_SIZE if batch_size is None else batch_size
     if start_beam < 1:  # before seconds of loading
         raise ConfigError("--start-beam", start_beam, "must be at least 1")
+    if batch_size < 1:
+        raise ConfigError("--batch-size", batch_size, "must be at least 1")
+    if dtype is not None:
+        from cprag.runtime import resolve_dtype
+
+        resolve_dtype("cpu", dtype)  # a wrong name fails before seconds of loading
     floor = MIN_RETRIEVAL_SCORE if min_retrieval_score is None else min_retrieval_score
     if (question is None) == (questions is None):
         raise ConfigError("QUESTION/--questions", question or questions, "give a question or --questions, not both")
@@ -238,14 +254,17 @@ def ask_command(
     mode = "visible" if visible else "closed" if closed else "hidden"
     batch = [question] if questions is None else read_questions(questions)
     with err.status("loading the model and the index"):
-        opened = Index(index, checkpoint=checkpoint, device=device)
-    for item in batch:
-        answer = opened.ask(item, k=k, mode=mode, max_new_tokens=max_new_tokens, min_confidence=min_confidence,
-                            min_retrieval_score=floor, start_beam=start_beam)
-        if as_json:
-            emit_json(answer.to_json())
-        else:
-            render_answer(answer, opened)
+        opened = Index(index, checkpoint=checkpoint, device=device, dtype=dtype)
+    # every question checked before the first is answered; then answers appear batch by batch
+    opened.check_questions(batch, mode, min_confidence, floor, start_beam, batch_size, max_new_tokens)
+    for first in range(0, len(batch), batch_size):
+        for answer in opened.ask_many(batch[first : first + batch_size], k=k, mode=mode,
+                                      max_new_tokens=max_new_tokens, min_confidence=min_confidence,
+                                      min_retrieval_score=floor, start_beam=start_beam, batch_size=batch_size):
+            if as_json:
+                emit_json(answer.to_json())
+            else:
+                render_answer(answer, opened)
     if not as_json and len(batch) > 1:
         err.print(f"key cache: {opened.cache.stats()}")
 
@@ -463,6 +482,7 @@ def eval_squad_command(
                                   "training held out (named in its train_config.json)."),
     min_confidence: float = MIN_CONFIDENCE_EVAL,
     start_beam: int = START_BEAM_OPTION,
+    batch_size: int = EVAL_BATCH_OPTION,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -481,7 +501,7 @@ def eval_squad_command(
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
-                             start_beam=START_BEAM if start_beam is None else start_beam,
+                             start_beam=START_BEAM if start_beam is None else start_beam, batch_size=batch_size,
                              articles=tuple(held_out_articles(checkpoint)) if held_out else None)
     with err.status("loading the model"):
         if index is not None:
@@ -517,6 +537,7 @@ def eval_squad2_command(
     seed: int = typer.Option(0, "--seed"),
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers below this confidence "
                                          "(default: the checkpoint's)."),
+    batch_size: int = EVAL_BATCH_OPTION,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plot go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -533,7 +554,8 @@ def eval_squad2_command(
 
     if not oracle:
         raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
-    config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed)
+    config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed,
+                             batch_size=batch_size)
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
     threshold = model.config.min_confidence if min_confidence is None else min_confidence
@@ -559,10 +581,15 @@ def eval_bench_command(
     seed: int = typer.Option(0, "--seed"),
     out_dir: Path = typer.Option(None, "--out", help="Also write summary.json, report.md and latency_by_k.png here."),
     checkpoint: Path = CHECKPOINT_OPTION,
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available; bf16 on cuda)."),
+    dtype: str = DTYPE_OPTION,
+    batch_questions: int = typer.Option(64, "--batch-questions", help="Questions for the batch throughput figures "
+                                        "(batch/qps@B for B = 1, 4, 16, 64; 0 skips them)."),
     as_json: bool = JSON_OPTION,
 ):
     """Measure in one run: keys vs KV-cache bytes per token, hidden vs visible latency at k = 1, 5, 10, key
-    encoding vs bare forward throughput, and warm vs cold key-shard cache throughput.
+    encoding vs bare forward throughput, warm vs cold key-shard cache throughput, and questions per second with
+    1, 4, 16 and 64 questions decoded per backbone pass.
 
     The hidden/visible ratio depends on how long the passages are (visible mode reads them all), so the figures
     include the mean passage length. The default corpus (examples/long-corpus.jsonl) has ~300-token passages, a
@@ -571,12 +598,17 @@ def eval_bench_command(
     Example: cprag eval bench --out eval/bench --json
     Example: cprag eval bench --corpus examples/corpus.jsonl --json
     Example: cprag eval bench --corpus squad-v1.1-dev.json --documents 40 --json
+    Example: cprag eval bench --device cuda --json   (pipelines/gpu_check.sh runs this on a GPU)
     """
     import random
     import tempfile
 
+    import torch
+
     from cprag.api import Index
     from cprag.bench import (
+        batch_throughput,
+        bench_questions,
         encode_vs_forward,
         latency_hidden_vs_visible,
         memory_figures,
@@ -588,11 +620,18 @@ def eval_bench_command(
     from cprag.errors import ConfigError
     from cprag.indexing import IndexConfig, build_index
     from cprag.retrieve import MiniLMEmbedder
+    from cprag.runtime import default_device, resolve_dtype
 
     if documents < 0:
         raise ConfigError("--documents", documents, "must be 0 (all) or a positive count")
+    device = device or default_device()
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError("--device", device, "expected cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device", device, "this machine has no CUDA device")
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
+        model = model.to(device, resolve_dtype(device, dtype))
     with tempfile.TemporaryDirectory() as scratch:
         chosen = read_corpus(corpus).documents
         if documents and index is None:
@@ -606,7 +645,7 @@ def eval_bench_command(
                 passage_tokens = min(384, model.config.max_position_embeddings // 2)
                 build_index(corpus, index, model, tokenizer, MiniLMEmbedder(),
                             IndexConfig(max_passage_tokens=passage_tokens, rebuild=True))
-        opened = Index(index, model=model, tokenizer=tokenizer)
+        opened = Index(index, model=model, tokenizer=tokenizer, device=device)
         asked = [f"What is said about {d.title or d.id}?" for d in chosen][:questions]
         figures = {}
         with err.status("memory and throughput"):
@@ -616,7 +655,12 @@ def eval_bench_command(
             figures.update(latency_hidden_vs_visible(opened, asked))
         with err.status("warm vs cold key-shard cache"):
             figures.update(warm_vs_cold(opened, asked))
+        if batch_questions > 0:
+            with err.status(f"batch throughput ({batch_questions} questions at 1, 4, 16, 64 per pass)"):
+                titles = [d.title or d.id for d in chosen]
+                figures.update(batch_throughput(opened, bench_questions(titles, batch_questions)))
     figures["bench/device"] = opened.device
+    figures["bench/dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if out_dir is not None:
         write_bench_report(out_dir, figures)
         err.print(f"wrote {out_dir}/summary.json, report.md, latency_by_k.png")

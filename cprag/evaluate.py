@@ -30,6 +30,7 @@ class SquadEvalConfig:
     articles: tuple[str, ...] | None = None  # only questions of these articles (a checkpoint's held-out ones)
     min_confidence: float = 0.0  # withhold answers below this confidence (0: always answer)
     start_beam: int = 1  # first tokens decoded per question (1: greedy)
+    batch_size: int = 1  # hidden-mode questions decoded per backbone pass (latency is then a batch's share)
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -43,6 +44,8 @@ class SquadEvalConfig:
             raise ConfigError("--min-confidence", self.min_confidence, "must be a probability in [0, 1]")
         if self.start_beam < 1:
             raise ConfigError("--start-beam", self.start_beam, "must be at least 1")
+        if self.batch_size < 1:
+            raise ConfigError("--batch-size", self.batch_size, "must be at least 1")
 
 
 def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):
@@ -85,7 +88,8 @@ def evaluate_squad(
     if index is None:
         results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                                   config.seed, config.max_new_tokens, on_result=tick,
-                                  min_confidence=config.min_confidence, start_beam=config.start_beam)
+                                  min_confidence=config.min_confidence, start_beam=config.start_beam,
+                                  batch_size=config.batch_size)
     else:
         results, extra = _evaluate_with_index(index, examples, config, tick)
     summary = summarize(results) if results else {}

@@ -7,12 +7,20 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from cprag.cache import DevicePassage
+from cprag.decode_step import (
+    Step,
+    best_derivation,
+    copied_source,
+    first_token_confidence,
+    shared_memory,
+    step_entry_ids,
+    without_stops,
+)
 from cprag.errors import QuestionTooLong
 from cprag.lexical import (
     entry_token_types,
@@ -23,12 +31,11 @@ from cprag.lexical import (
     sentence_ids,
     word_ids,
 )
-from cprag.mixture import NEG_INF
 from cprag.model import CopyMemory
 from cprag.prompt import end_of_turn_id, prompt_ids, visible_prompt_layout
+from cprag.rerank import SpanCandidate, StartReranker
 
 MODES = ("hidden", "visible", "closed")
-LOG_HALF = math.log(0.5)
 
 
 @dataclass
@@ -48,6 +55,8 @@ class Alternative:
     token_ids: list[int]
     sources: list[tuple[int, int] | None]
     log_prob: float
+    token_log_probs: list[float] = field(default_factory=list)  # log p of each token; log_prob adds the end's
+    entries: list[int | None] = field(default_factory=list)  # the memory entry each token was copied from
 
     def score(self, length_penalty: float = 0.0) -> float:
         return self.log_prob / max(len(self.token_ids), 1) ** length_penalty
@@ -76,96 +85,6 @@ class Generation:
         return sum(s is not None for s in self.sources) / len(self.sources) if self.sources else 0.0
 
 
-def shared_memory(passages: list[DevicePassage]) -> tuple[CopyMemory | None, torch.Tensor, torch.Tensor]:
-    """One memory over all passages, plus per entry its passage index and token position."""
-    if not passages:
-        return None, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-    keys = torch.cat([p.keys for p in passages]).unsqueeze(0)  # (1, M, D)
-    ids = torch.cat([p.ids for p in passages]).unsqueeze(0)  # (1, M)
-    owner = torch.cat([torch.full((len(p.ids),), i, dtype=torch.long) for i, p in enumerate(passages)])
-    position = torch.cat([torch.arange(len(p.ids)) for p in passages])
-    return CopyMemory(keys=keys, ids=ids), owner, position
-
-
-@dataclass
-class Step:
-    """One position's outputs: what the next token is chosen from."""
-
-    log_probs: torch.Tensor  # (V,)
-    log_gate: torch.Tensor  # ()
-    copy_log_attention: torch.Tensor  # (E + P,)
-
-    @classmethod
-    def at(cls, out, position: int) -> Step:
-        return cls(out.log_probs[0, position], out.log_gate[0, position], out.copy_log_attention[0, position])
-
-
-def _best_derivation(step: Step, entry_ids: torch.Tensor, memory: CopyMemory | None) -> tuple[int, int | None]:
-    """The single most probable way to produce the next token: one copy entry (mass g * a_j), or the generator's
-    best token (its share of the mixture). Returns (token, external entry or None).
-
-    The mixture sums the mass of every entry that pastes the same token, which favours tokens that occur often
-    (" the") over the one entry the head is surest of; choosing a derivation keeps to that entry.
-    entry_ids (E + P,): the token each copy entry pastes, in `copy_log_attention` order.
-    """
-    log_copy = step.log_gate + step.copy_log_attention  # (E + P,)
-    copy_mass = torch.zeros_like(step.log_probs).index_add_(0, entry_ids, log_copy.exp())
-    generator = (step.log_probs.exp() - copy_mass).clamp(min=0)  # (V,)
-    entry = int(log_copy.argmax())
-    if float(log_copy[entry].exp()) < float(generator.max()):
-        return int(generator.argmax()), None
-    external = memory.size if memory is not None else 0
-    return int(entry_ids[entry]), entry if entry < external else None
-
-
-def _entry_ids(model, memory: CopyMemory | None, context, width: int) -> torch.Tensor:
-    """(E + P,) the token each entry of a step's copy attention pastes: external entries (then their "end here"
-    twins) followed by the own context, whose entry j pastes token j + 1."""
-    parts = []
-    if memory is not None:
-        parts.append(memory.ids[0])
-        if model.cp_head.end_q_proj is not None:
-            parts.append(torch.full_like(memory.ids[0], model.config.end_id))
-    own = context.ids[0]
-    parts.append(torch.cat([own[1:], own.new_zeros(1)]))
-    ids = torch.cat(parts)[:width]
-    # positions a rewind dropped are later than the step, so masked: any id will do
-    return torch.cat([ids, ids.new_zeros(width - ids.shape[0])])
-
-
-def _without_stops(step: Step, stop: set[int], entry_ids: torch.Tensor) -> Step:
-    """The step with every way to end barred: the stop tokens' mixture mass, and the copy entries pasting them
-    ("end here" twins, own-context ends)."""
-    barred = torch.tensor(sorted(stop), device=step.log_probs.device)
-    ends = torch.isin(entry_ids, barred)
-    return Step(step.log_probs.index_fill(0, barred, NEG_INF), step.log_gate,
-                step.copy_log_attention.masked_fill(ends, NEG_INF))
-
-
-def first_token_confidence(step: Step, memory: CopyMemory, token: int) -> float:
-    """g · Σ a_j over the passage entries that paste `token` (not their "end here" twins): how much of the first
-    answer token's probability the copy path gives from the passages."""
-    log_a = step.copy_log_attention[: memory.size].masked_fill(memory.ids[0] != token, NEG_INF)
-    return float((step.log_gate + torch.logsumexp(log_a, -1)).exp())
-
-
-def _copied_source(step: Step, token: int, memory: CopyMemory | None) -> int | None:
-    """The memory entry a token was copied from, when the copy path gave it more mass than the generator."""
-    if memory is None:
-        return None
-    log_a = step.copy_log_attention[: memory.size]
-    same = memory.ids[0] == token
-    if not bool(same.any()):
-        return None
-    masked = log_a.masked_fill(~same, NEG_INF)
-    copied = step.log_gate + torch.logsumexp(masked, -1)
-    total = step.log_probs[token]
-    # copied mass above half of p(token): the copy path, not the generator, chose it
-    if copied - total < LOG_HALF:
-        return None
-    return int(masked.argmax())
-
-
 @torch.inference_mode()
 def generate(
     model,
@@ -182,6 +101,7 @@ def generate(
     min_confidence: float = 0.0,
     start_beam: int = 1,
     length_penalty: float = 0.0,
+    reranker: StartReranker | None = None,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
 
@@ -202,7 +122,8 @@ def generate(
 
     `start_beam` > 1 (with passages) also decodes greedily from the next `start_beam - 1` most probable first
     tokens and answers with the most probable whole answer, scored as log p(answer tokens, then the end) divided
-    by length ** `length_penalty`. The confidence and the abstention stay those of the greedy first token.
+    by length ** `length_penalty`, or with the one `reranker` (`cprag.rerank`) scores highest. The confidence and
+    the abstention stay those of the greedy first token.
 
     A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
     and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
@@ -252,13 +173,13 @@ def generate(
         """The next (token, external entry) at a step whose context ends `offset` positions before its last."""
         if choose == "token":
             token = int(step.log_probs.argmax())
-            return token, _copied_source(step, token, memory)
-        return _best_derivation(step, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]), memory)
+            return token, copied_source(step, token, memory)
+        return best_derivation(step, step_entry_ids(model, memory, context, step.copy_log_attention.shape[0]), memory)
 
     confidence, first, stop_probability, starts = None, None, None, []
     if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
         stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
-        step = _without_stops(step, stop, _entry_ids(model, memory, context, step.copy_log_attention.shape[0]))
+        step = without_stops(step, stop, step_entry_ids(model, memory, context, step.copy_log_attention.shape[0]))
         first = pick(step, context)
         confidence = first_token_confidence(step, memory, first[0])
         if confidence < min_confidence:
@@ -266,7 +187,7 @@ def generate(
                               no_answer=True, stop_probability=stop_probability)
         if start_beam > 1:  # the greedy first token, then the next most probable ones, each credited to its entry
             others = [int(t) for t in step.log_probs.topk(start_beam + 1).indices if int(t) != first[0]]
-            starts = [first] + [(t, _copied_source(step, t, memory)) for t in others[: start_beam - 1]]
+            starts = [first] + [(t, copied_source(step, t, memory)) for t in others[: start_beam - 1]]
 
     def word_goes_on(entry: int | None) -> bool:
         """Entry `entry` finishes the word its predecessor's copy started (so it must be copied next)."""
@@ -277,12 +198,16 @@ def generate(
         """Greedy decoding from the prompt's last step, starting with `first` when given."""
         tokens: list[int] = []
         sources: list[tuple[int, int] | None] = []
+        token_log_probs: list[float] = []
+        entries: list[int | None] = []
         log_prob = 0.0
 
         def emit(token: int, entry: int | None, at: Step) -> None:
             nonlocal log_prob
-            log_prob += float(at.log_probs[token])
+            token_log_probs.append(float(at.log_probs[token]))
+            log_prob += token_log_probs[-1]
             tokens.append(token)
+            entries.append(entry)
             sources.append(None if entry is None else (int(owner[entry]), int(position[entry])))
 
         entry = None
@@ -317,7 +242,7 @@ def generate(
                 kept += 1
             step, context = Step.at(out, kept), _rewind(out.context, len(draft) - kept)
         answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        return Alternative(answer, tokens, sources, log_prob)
+        return Alternative(answer, tokens, sources, log_prob, token_log_probs, entries)
 
     if len(starts) > 1:
         alternatives = []
@@ -326,7 +251,10 @@ def generate(
             extra = context.cache.get_seq_length() - len(prompt)
             if extra > 0:
                 context.cache.crop(-extra)  # back to the prompt for the next start
-        best = max(alternatives, key=lambda a: a.score(length_penalty))
+        if reranker is not None:
+            best = alternatives[reranker.choose(question, _span_candidates(alternatives, memory, owner))]
+        else:
+            best = max(alternatives, key=lambda a: a.score(length_penalty))
     else:
         best = decode(first, step, context)
         alternatives = [best]
@@ -348,6 +276,21 @@ def lexical_prior(model, tokenizer, question: str, ids: torch.Tensor) -> torch.T
     return lexical_features(question_words(tokenizer, question), word_ids(tokenizer, tokens),
                             config.lexical_window_sizes, sentences, question_type(question), types,
                             config.lexical_sentence_starts).unsqueeze(0).to(ids.device)
+
+
+def _span_candidates(alternatives: list[Alternative], memory: CopyMemory, owner: torch.Tensor
+                     ) -> list[SpanCandidate]:
+    """What the reranker reads of each alternative: its probabilities, and the lexical features at its ends."""
+    prior = memory.prior[0] if memory.prior is not None else None  # (M, F)
+    candidates = []
+    for a in alternatives:
+        first, last = (a.entries[0], a.entries[-1]) if a.entries else (None, None)
+        candidates.append(SpanCandidate(
+            a.answer, a.token_log_probs, a.log_prob,
+            None if first is None or prior is None else prior[first].tolist(),
+            None if last is None or prior is None else prior[last].tolist(),
+            None if first is None else int(owner[first])))
+    return candidates
 
 
 def _successors(entry: int | None, owner: torch.Tensor | None, count: int) -> list[int]:

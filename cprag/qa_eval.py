@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cprag.batch_generate import batch_supported, generate_batch
 from cprag.cache import DevicePassage
 from cprag.encode import PassageKeys, encode_passages, tokenize_passage
 from cprag.generate import generate
@@ -73,33 +74,52 @@ def evaluate_oracle(
     model, tokenizer, examples: list[QAExample], passages: dict[str, tuple[str, str]], modes: list[str],
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
     on_result: Callable[[QAResult], None] | None = None, choose: str = "token", min_confidence: float = 0.0,
-    start_beam: int = 1,
+    start_beam: int = 1, batch_size: int = 1, reranker=None,
 ) -> list[QAResult]:
     """Each example in each mode with its gold passage plus `distractors` others (seeded), scored against its
-    references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one)."""
+    references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one). With
+    `batch_size` > 1, hidden-mode questions are decoded that many per backbone pass (the same answers; each
+    question's latency is then its share of its batch's time)."""
     memory = OracleMemory(model, tokenizer, passages)
     all_ids = sorted(passages)
     rng = random.Random(seed)
+    chosen = [oracle_passage_ids(example, all_ids, distractors, rng) for example in examples]  # the seeded draws
+    batched = batch_size > 1 and start_beam == 1 and choose == "token" and batch_supported(model, "hidden")
     results = []
-    for example in examples:
-        chosen = oracle_passage_ids(example, all_ids, distractors, rng)
-        shards = memory.get(chosen)
+    for first in range(0, len(examples), batch_size if batched else 1):
+        group = list(range(first, min(first + (batch_size if batched else 1), len(examples))))
+        shards = {i: memory.get(chosen[i]) for i in group}
+        by_mode: dict[str, list[tuple[object, float]]] = {}
         for mode in modes:
-            tick = time.perf_counter()
-            generation = generate(model, tokenizer, example.question, shards if mode != "closed" else [], mode,
-                                  max_new_tokens, choose=choose, min_confidence=min_confidence,
-                                  start_beam=start_beam)
-            em, f1 = squad2_question_scores(generation.answer, example.answers)
-            result = QAResult(
-                qid=example.qid, mode=mode, question=example.question, prediction=generation.answer,
-                references=example.answers, em=100 * em, f1=100 * f1, copy_rate=generation.copy_rate,
-                latency_ms=(time.perf_counter() - tick) * 1000, passages=chosen, confidence=generation.confidence,
-                stop_probability=generation.stop_probability,
-                no_answer=generation.no_answer,
-            )
-            results.append(result)
-            if on_result:
-                on_result(result)
+            if batched and mode == "hidden":
+                tick = time.perf_counter()
+                generations = generate_batch(model, tokenizer, [examples[i].question for i in group],
+                                             [shards[i] for i in group], max_new_tokens,
+                                             min_confidence=min_confidence)
+                share = (time.perf_counter() - tick) * 1000 / len(group)
+                by_mode[mode] = [(g, share) for g in generations]
+                continue
+            by_mode[mode] = []
+            for i in group:
+                tick = time.perf_counter()
+                generation = generate(model, tokenizer, examples[i].question,
+                                      shards[i] if mode != "closed" else [], mode, max_new_tokens, choose=choose,
+                                      min_confidence=min_confidence, start_beam=start_beam, reranker=reranker)
+                by_mode[mode].append((generation, (time.perf_counter() - tick) * 1000))
+        for position, i in enumerate(group):
+            example = examples[i]
+            for mode in modes:
+                generation, latency = by_mode[mode][position]
+                em, f1 = squad2_question_scores(generation.answer, example.answers)
+                result = QAResult(
+                    qid=example.qid, mode=mode, question=example.question, prediction=generation.answer,
+                    references=example.answers, em=100 * em, f1=100 * f1, copy_rate=generation.copy_rate,
+                    latency_ms=latency, passages=chosen[i], confidence=generation.confidence,
+                    stop_probability=generation.stop_probability, no_answer=generation.no_answer,
+                )
+                results.append(result)
+                if on_result:
+                    on_result(result)
     return results
 
 

@@ -49,6 +49,15 @@ def test_eval_squad_oracle_writes_results_summary_report_and_plots(tmp_path, che
     assert len(lines) == 9 and {json.loads(line)["mode"] for line in lines} == {"hidden", "visible", "closed"}
     for name in ("summary.json", "report.md", "f1_by_mode.png", "latency_by_mode.png"):
         assert (tmp_path / "out" / name).stat().st_size > 100
+    batched = CliRunner().invoke(app, ["eval", "squad", str(data), "--oracle", "--limit", "3", "--batch-size", "2",
+                                       "--out", str(tmp_path / "batched"), "--checkpoint", str(checkpoint), "--json"])
+    assert batched.exit_code == 0, batched.output
+
+    def answers(folder):
+        rows = [json.loads(line) for line in (tmp_path / folder / "results.jsonl").read_text().splitlines()]
+        return [(r["qid"], r["mode"], r["prediction"], r["passages"]) for r in rows]
+
+    assert answers("batched") == answers("out")  # same memories, same answers, in the same order
 
 
 def test_eval_squad2_scores_abstention_with_the_official_rules(tmp_path, checkpoint):
@@ -119,15 +128,18 @@ def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     bench = runner.invoke(app, ["eval", "bench", "--corpus", str(corpus), "--documents", str(len(DOCS)),
                                 "--questions", "2", "--out", str(tmp_path / "bench"), "--checkpoint", str(checkpoint),
-                                "--json"])
+                                "--batch-questions", "6", "--json"])
     assert bench.exit_code == 0, bench.output
     figures = json.loads(bench.stdout)
     assert json.loads((tmp_path / "bench" / "summary.json").read_text()) == figures
     assert (tmp_path / "bench" / "latency_by_k.png").stat().st_size > 1000
     assert "latency/hidden_over_visible@k5" in (tmp_path / "bench" / "report.md").read_text()
     for key in ("memory/keys_bytes_per_token", "memory/kv_bytes_per_token", "latency/hidden_over_visible@k5",
-                "index/throughput_over_forward", "reuse/warm_over_cold_qps"):
+                "index/throughput_over_forward", "reuse/warm_over_cold_qps", "batch/qps@1", "batch/qps@64",
+                "batch/qps@16_over_qps@1"):
         assert figures[key] > 0
+    assert figures["batch/answers_identical"] == 1 and figures["batch/questions"] == 6
+    assert figures["bench/dtype"] == "float32" and figures["bench/device"] == "cpu"
     assert figures["memory/keys_bytes_per_token"] < figures["memory/kv_bytes_per_token"]
     assert 5 < figures["latency/passage_tokens_mean@k5"] < figures["latency/visible_prompt_tokens@k5"]
 

@@ -6,58 +6,18 @@ import sys
 
 import pytest
 import torch
-from tiny_models import tiny_tokenizer, write_tiny_gguf
+from tiny_models import DOCS, tiny_checkpoint, tiny_tokenizer, write_jsonl, write_tiny_gguf  # noqa: F401
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from cprag.api import Index
-from cprag.checkpoint import load_model, model_fingerprint, new_cplm
+from cprag.checkpoint import load_model, model_fingerprint
 from cprag.cli import app
 from cprag.errors import IndexCorrupt, IndexLocked, ModelMismatch, QuestionTooLong, TooFewPassages
 from cprag.generate import generate
 from cprag.indexing import IndexConfig, build_index
 from cprag.retrieve import MiniLMEmbedder
 from cprag.store import PassageStore
-
-DOCS = [
-    {"id": "lighthouse", "title": "Varna Point", "text": "The lighthouse was built in 1871 from granite."},
-    {"id": "bridge", "title": "Glass Bridge", "text": "The glass bridge opened to walkers in 2009."},
-    {"id": "clock", "title": "River Clock", "text": "The river clock rings a bell every hour."},
-    {"id": "geese", "title": "Lake Merrow", "text": "Pink-footed geese arrive at the lake in October."},
-    {"id": "ferry", "title": "Night Ferry", "text": "The night ferry leaves at eleven and arrives at six."},
-]
-
-
-def write_jsonl(path, docs):
-    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    return path
-
-
-def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None, **head):
-    """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token, with a
-    successor bias of the given (continue, end) weights, and with other head options (given random weights)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    write_tiny_gguf(directory / "base.gguf")
-    torch.manual_seed(seed)
-    from cprag.backbone import gguf_reference
-
-    options = dict(successor_bias=True) if successor else {}
-    model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0, **options, **head)
-    with torch.no_grad():
-        if model.cp_head.query_refiner is not None:
-            for up in model.cp_head.query_refiner.up:
-                up.weight.normal_()
-        if model.cp_head.lexical is not None:
-            model.cp_head.lexical.copy_(torch.tensor([3.0, -2.0]))
-    if copy_everything:
-        with torch.no_grad():
-            model.copy_gate.bias.fill_(1e4)
-            model.cp_head.sink_bias.fill_(-1e4)
-    if successor:
-        with torch.no_grad():
-            model.cp_head.successor.copy_(torch.tensor(successor))
-    model.save_pretrained(directory / "ckpt")
-    return directory / "ckpt"
 
 
 @pytest.fixture(scope="module")
@@ -458,7 +418,7 @@ def test_drafted_copies_give_exactly_the_greedy_answer_in_fewer_passes(tmp_path,
 
 
 def test_entry_choice_follows_the_surest_entry_where_the_mixture_sums_a_spread_token():
-    from cprag.generate import Step, _best_derivation
+    from cprag.decode_step import Step, best_derivation
     from cprag.model import CopyMemory
 
     vocab, spread, single = 12, 3, 7
@@ -470,9 +430,9 @@ def test_entry_choice_follows_the_surest_entry_where_the_mixture_sums_a_spread_t
     mixture = generator.clone().index_add_(0, entry_ids, gate * attention)
     step = Step(log_probs=mixture.log(), log_gate=torch.tensor(gate).log(), copy_log_attention=attention.log())
     assert int(mixture.argmax()) == spread  # the marginal favours the token spread over three entries
-    assert _best_derivation(step, entry_ids, memory) == (single, 3)
+    assert best_derivation(step, entry_ids, memory) == (single, 3)
     shut = Step(log_probs=generator.log(), log_gate=torch.tensor(1e-6).log(), copy_log_attention=attention.log())
-    token, entry = _best_derivation(shut, entry_ids, memory)
+    token, entry = best_derivation(shut, entry_ids, memory)
     assert entry is None and 0 <= token < vocab  # a shut gate leaves the generator's token
 
 

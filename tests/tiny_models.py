@@ -1,13 +1,17 @@
-"""Tiny random models for tests: a Llama config, a CPLM on it, and a GGUF file written from it."""
+"""Tiny random models for tests: a Llama config, a CPLM on it, a GGUF file written from it, a checkpoint saved
+from one, and the five-document corpus the index tests use."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoModel, LlamaConfig
 
+from cprag.backbone import gguf_reference
+from cprag.checkpoint import new_cplm
 from cprag.config import CPLMConfig
 from cprag.model import CPLMForCausalLM
 
@@ -117,3 +121,42 @@ def tiny_tokenizer(directory: Path):
     path = Path(directory) / "tiny.gguf"
     write_tiny_gguf(path)
     return load_backbone(gguf_reference(path), use_cache=False)[1]
+
+
+DOCS = [
+    {"id": "lighthouse", "title": "Varna Point", "text": "The lighthouse was built in 1871 from granite."},
+    {"id": "bridge", "title": "Glass Bridge", "text": "The glass bridge opened to walkers in 2009."},
+    {"id": "clock", "title": "River Clock", "text": "The river clock rings a bell every hour."},
+    {"id": "geese", "title": "Lake Merrow", "text": "Pink-footed geese arrive at the lake in October."},
+    {"id": "ferry", "title": "Night Ferry", "text": "The night ferry leaves at eleven and arrives at six."},
+]
+
+
+def write_jsonl(path, docs):
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None, **head):
+    """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token, with a
+    successor bias of the given (continue, end) weights, and with other head options (given random weights)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_tiny_gguf(directory / "base.gguf")
+    torch.manual_seed(seed)
+    options = dict(successor_bias=True) if successor else {}
+    model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0, **options, **head)
+    with torch.no_grad():
+        if model.cp_head.query_refiner is not None:
+            for up in model.cp_head.query_refiner.up:
+                up.weight.normal_()
+        if model.cp_head.lexical is not None:
+            model.cp_head.lexical.copy_(torch.tensor([3.0, -2.0]))
+    if copy_everything:
+        with torch.no_grad():
+            model.copy_gate.bias.fill_(1e4)
+            model.cp_head.sink_bias.fill_(-1e4)
+    if successor:
+        with torch.no_grad():
+            model.cp_head.successor.copy_(torch.tensor(successor))
+    model.save_pretrained(directory / "ckpt")
+    return directory / "ckpt"

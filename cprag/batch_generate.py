@@ -1,0 +1,224 @@
+"""Greedy hidden-mode decoding of many questions per backbone pass.
+
+Each question keeps its own memory (its passages' keys, padded to the batch's longest memory and masked), its
+own prompt (left padded: the last prompt position is the same column in every row) and its own KV-cache row.
+One forward pass per step serves every unfinished question, so each step reads the weights once for the whole
+batch instead of once per question. A key shard retrieved by several questions stays one device tensor in the
+key-shard cache; the padded batch memory is rebuilt from those shards per batch.
+
+The answers are those of `cprag.generate.generate` one question at a time (greedy, `choose="token"`, whole
+words): the same choices at every step, from the same mixture. Drafting, which verifies several copied tokens in
+one pass, and the start beam belong to the single-question decoder; a model with a query refiner (whose window
+would read the padding) is decoded one question at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from cprag.cache import DevicePassage
+from cprag.errors import QuestionTooLong
+from cprag.generate import (
+    Alternative,
+    Generation,
+    Step,
+    citations,
+    copied_source,
+    first_token_confidence,
+    generate,
+    lexical_prior,
+    shared_memory,
+    step_entry_ids,
+    without_stops,
+)
+from cprag.lexical import inside_word
+from cprag.model import CopyMemory
+from cprag.prompt import end_of_turn_id, prompt_ids
+
+
+@dataclass
+class _Row:
+    """One question's decoding state."""
+
+    prompt: list[int]
+    passages: list[DevicePassage]
+    owner: torch.Tensor  # (M_i,) passage index of each entry
+    position: torch.Tensor  # (M_i,) token position of each entry in its passage
+    continues: torch.Tensor | None  # (M_i,) entry m continues entry m - 1's word
+    tokens: list[int]
+    sources: list[tuple[int, int] | None]
+    log_probs: list[float]
+    entries: list[int | None]
+    end_log_prob: float = 0.0
+    entry: int | None = None  # the entry the last token was copied from
+    confidence: float | None = None
+    stop_probability: float | None = None
+    no_answer: bool = False
+    done: bool = False
+
+
+def batch_supported(model, mode: str) -> bool:
+    """Whether `generate_batch` decodes this model and mode (otherwise questions go one at a time)."""
+    return mode == "hidden" and model.cp_head.query_refiner is None
+
+
+@torch.inference_mode()
+def generate_batch(model, tokenizer, questions: list[str], passages: list[list[DevicePassage]],
+                   max_new_tokens: int = 32, whole_words: bool = True, min_confidence: float = 0.0,
+                   mode: str = "hidden") -> list[Generation]:
+    """Greedy answers to `questions`, question i from `passages[i]`, decoded together: the same answers,
+    sources, confidences and citations as `generate` gives each question alone."""
+    if len(questions) != len(passages):
+        raise ValueError(f"{len(questions)} questions but {len(passages)} passage lists")
+    if not batch_supported(model, mode) or len(questions) == 1:
+        return [generate(model, tokenizer, q, p, mode, max_new_tokens, whole_words=whole_words,
+                         min_confidence=min_confidence) for q, p in zip(questions, passages, strict=True)]
+    window = model.config.max_position_embeddings
+    prompts = [prompt_ids(tokenizer, q) for q in questions]
+    for prompt in prompts:
+        if len(prompt) + max_new_tokens > window:
+            raise QuestionTooLong(len(prompt) + max_new_tokens, window)
+    device = next(model.parameters()).device
+    rows = []
+    for prompt, shards in zip(prompts, passages, strict=True):
+        memory, owner, position = shared_memory(shards)
+        continues = inside_word(tokenizer, memory.ids[0]) if memory is not None and whole_words else None
+        rows.append(_Row(prompt, shards, owner, position, continues, [], [], [], []))
+    memory, sizes = _batch_memory(model, tokenizer, questions, passages, rows, device)
+    stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
+
+    # left-padded prompts: every row's last prompt token sits in the last column
+    width = max(len(p) for p in prompts)
+    batch = len(rows)
+    ids = torch.zeros((batch, width), dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        attention[i, width - len(prompt):] = 1
+    ids, attention = ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # each row's own positions, from 0
+    last = torch.full((batch, 1), width - 1, device=device)
+    out = model(ids, attention, memory=memory, use_cache=True, position_ids=positions, query_positions=last)
+    context, next_position = out.context, positions[:, -1:] + 1
+
+    for i, row in enumerate(rows):
+        step, view = _row_step(out, i), _row_memory(memory, sizes, i)
+        if view is None:  # no passages: the first token may be the end, as in `generate`
+            _choose(row, step, None, stop, max_new_tokens)
+            continue
+        # an answer from the passages, or none at all: never an empty one
+        row.stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
+        entry_ids = step_entry_ids(model, view, SimpleNamespace(ids=context.ids[i : i + 1]),
+                               step.copy_log_attention.shape[0])
+        step = without_stops(step, stop, entry_ids)
+        token = int(step.log_probs.argmax())
+        row.confidence = first_token_confidence(step, view, token)
+        if row.confidence < min_confidence:
+            row.no_answer = row.done = True
+            continue
+        _emit(row, token, copied_source(step, token, view), step)
+        row.done = len(row.tokens) >= max_new_tokens
+
+    while not all(row.done for row in rows):
+        feed = torch.tensor([[row.tokens[-1] if row.tokens else 0] for row in rows], device=device)
+        active = torch.tensor([[0 if row.done else 1] for row in rows], device=device)
+        previous = torch.tensor([[-1 if row.done or row.entry is None else row.entry] for row in rows],
+                                device=device)
+        out = model(feed, active, memory=memory, context=context, use_cache=True, prev_source=previous,
+                    position_ids=next_position)
+        context, next_position = out.context, next_position + 1
+        for i, row in enumerate(rows):
+            if not row.done:
+                _choose(row, _row_step(out, i), _row_memory(memory, sizes, i), stop, max_new_tokens)
+
+    generations = []
+    for row in rows:
+        generation = Generation(
+            answer="" if row.no_answer else tokenizer.decode(row.tokens, skip_special_tokens=True).strip(),
+            token_ids=[] if row.no_answer else row.tokens, sources=[] if row.no_answer else row.sources,
+            prompt_tokens=len(row.prompt), confidence=row.confidence, no_answer=row.no_answer,
+            stop_probability=row.stop_probability,
+        )
+        if not row.no_answer:
+            generation.alternatives = [Alternative(generation.answer, row.tokens, row.sources,
+                                                   sum(row.log_probs) + row.end_log_prob, row.log_probs, row.entries)]
+        generation.citations = citations(generation, row.passages) if row.passages else []
+        generations.append(generation)
+    return generations
+
+
+def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], device
+                  ) -> tuple[CopyMemory | None, list[int]]:
+    """(B, M, ...) memory: each row's passages, padded to the longest row and masked; and each row's size."""
+    sizes = [sum(len(p.ids) for p in shards) for shards in passages]
+    if not any(sizes):
+        return None, sizes
+    size, batch = max(sizes), len(rows)
+    first = next(p for shards in passages for p in shards)
+    keys = torch.zeros((batch, size, first.keys.shape[-1]), dtype=first.keys.dtype, device=device)
+    ids = torch.zeros((batch, size), dtype=torch.long, device=device)
+    mask = torch.zeros((batch, size), dtype=torch.bool, device=device)
+    end_allowed = torch.zeros((batch, size), dtype=torch.bool, device=device)
+    prior = None
+    for i, (question, shards, row) in enumerate(zip(questions, passages, rows, strict=True)):
+        if not shards:
+            continue
+        n = sizes[i]
+        keys[i, :n] = torch.cat([p.keys for p in shards])
+        ids[i, :n] = torch.cat([p.ids for p in shards])
+        mask[i, :n] = True
+        end_allowed[i, :n] = True if row.continues is None else ~row.continues.to(device)
+        features = lexical_prior(model, tokenizer, question, ids[i, :n])
+        if features is not None:
+            if prior is None:
+                prior = torch.zeros((batch, size, features.shape[-1]), dtype=features.dtype, device=device)
+            prior[i, :n] = features[0]
+    return CopyMemory(keys=keys, ids=ids, mask=mask, prior=prior, end_allowed=end_allowed), sizes
+
+
+def _row_memory(memory: CopyMemory | None, sizes: list[int], i: int):
+    """Row i's memory as the single-question helpers read it: (1, M) ids and the padded size (padding entries
+    are masked, so they never win), or None when the row has no passages."""
+    if memory is None or sizes[i] == 0:
+        return None
+    return SimpleNamespace(ids=memory.ids[i : i + 1], size=memory.size)
+
+
+def _row_step(out, i: int) -> Step:
+    return Step(out.log_probs[i, -1], out.log_gate[i, -1], out.copy_log_attention[i, -1])
+
+
+def _word_goes_on(row: _Row, entry: int | None) -> bool:
+    """Entry `entry` finishes the word its predecessor's copy started (so it must be copied next)."""
+    return (row.continues is not None and entry is not None and 0 < entry < len(row.continues)
+            and bool(row.continues[entry]) and row.owner[entry] == row.owner[entry - 1])
+
+
+def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int) -> None:
+    """The row's next token at `step`: a forced word continuation, the end, or the mixture's best token."""
+    if len(row.tokens) >= max_new_tokens:
+        row.done = True
+        return
+    if row.entry is not None and _word_goes_on(row, row.entry + 1):
+        entry = row.entry + 1
+        _emit(row, int(view.ids[0, entry]), entry, step)
+    else:
+        token = int(step.log_probs.argmax())
+        if token in stop:
+            row.end_log_prob = float(step.log_probs[token])
+            row.done = True
+            return
+        _emit(row, token, copied_source(step, token, view), step)
+    if len(row.tokens) >= max_new_tokens:
+        row.done = True
+
+
+def _emit(row: _Row, token: int, entry: int | None, step: Step) -> None:
+    row.log_probs.append(float(step.log_probs[token]))
+    row.tokens.append(token)
+    row.entries.append(entry)
+    row.sources.append(None if entry is None else (int(row.owner[entry]), int(row.position[entry])))
+    row.entry = entry

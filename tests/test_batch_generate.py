@@ -1,0 +1,123 @@
+"""Batched decoding: many questions per backbone pass give exactly the answers of one question at a time."""
+
+import pytest
+import torch
+from test_index_ask import embedder, index_corpus  # noqa: F401 - fixtures
+from tiny_models import DOCS, tiny_checkpoint, write_jsonl
+
+from cprag.api import Index
+from cprag.batch_generate import batch_supported, generate_batch
+from cprag.generate import generate
+
+QUESTIONS = ["When was the lighthouse built?", "Who designed the glass bridge?", "Where do the geese go?",
+             "What rings every hour?", "When does the night ferry leave?", "Which bell?",
+             "Tell me about the granite lighthouse at Varna Point and the year it was built, please."]
+HEADS = {  # a plain head; one that copies every token with a strong successor bias (long spans, whole words);
+    # one with the lexical prior and end entries, as the shipped checkpoint has
+    "plain": dict(),
+    "copying": dict(copy_everything=True, successor=(6.0, 0.0)),
+    "lexical-ends": dict(copy_everything=True, successor=(3.0, 1.0), lexical_prior=True, end_entries=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(HEADS))
+def index(request, tmp_path_factory, embedder):  # noqa: F811
+    root = tmp_path_factory.mktemp(f"batch-{request.param}")
+    checkpoint = tiny_checkpoint(root / "model", seed=3, **HEADS[request.param])
+    index_corpus(write_jsonl(root / "c.jsonl", DOCS), root / "idx", checkpoint, embedder)
+    return Index(root / "idx", checkpoint=checkpoint)
+
+
+def shards(index, question, k):
+    hits = index.retrieve([question], k)[0]
+    return index.cache.get([h.passage_id for h in hits], index.store.fetch)
+
+
+def same(single, batched):
+    assert (batched.answer, batched.token_ids, batched.sources) == (single.answer, single.token_ids, single.sources)
+    assert batched.no_answer == single.no_answer
+    assert [(c.doc_id, c.start, c.end) for c in batched.citations] == \
+        [(c.doc_id, c.start, c.end) for c in single.citations]
+    for name in ("confidence", "stop_probability"):
+        a, b = getattr(single, name), getattr(batched, name)
+        assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, abs=1e-4))
+
+
+def test_a_batch_answers_exactly_as_one_question_at_a_time(index):
+    assert batch_supported(index.model, "hidden")
+    # different k per question: memories of different sizes in one batch, one of them empty (closed book)
+    memories = [shards(index, q, 1 + i % 3) if i != 5 else [] for i, q in enumerate(QUESTIONS)]
+    singles = [generate(index.model, index.tokenizer, q, m, "hidden" if m else "closed", 12)
+               for q, m in zip(QUESTIONS, memories, strict=True)]
+    batched = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12)
+    assert len(batched) == len(QUESTIONS)
+    for single, generation in zip(singles, batched, strict=True):
+        same(single, generation)
+    for generation in batched:
+        if generation.alternatives:  # per-token log-probs, as the single decoder records them
+            assert len(generation.alternatives[0].token_log_probs) == len(generation.token_ids)
+
+
+def test_abstention_and_the_token_limit_hold_per_question_in_a_batch(index):
+    memories = [shards(index, q, 3) for q in QUESTIONS]
+    confidences = [generate(index.model, index.tokenizer, q, m, max_new_tokens=3).confidence
+                   for q, m in zip(QUESTIONS, memories, strict=True)]
+    threshold = sorted(confidences)[len(confidences) // 2]  # about half the questions fall below it
+    singles = [generate(index.model, index.tokenizer, q, m, max_new_tokens=3, min_confidence=threshold)
+               for q, m in zip(QUESTIONS, memories, strict=True)]
+    batched = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 3, min_confidence=threshold)
+    assert sum(g.no_answer for g in batched) == sum(c < threshold for c in confidences)
+    for single, generation in zip(singles, batched, strict=True):
+        same(single, generation)
+        assert len(generation.token_ids) <= 3
+
+
+def test_a_batch_refuses_mismatched_inputs(index):
+    with pytest.raises(ValueError, match="2 questions but 1 passage lists"):
+        generate_batch(index.model, index.tokenizer, QUESTIONS[:2], [[]])
+
+
+def test_the_batch_shares_one_device_copy_of_a_shard_retrieved_by_several_questions(index):
+    first, second = shards(index, QUESTIONS[0], 2), shards(index, QUESTIONS[0] + " Really?", 2)
+    assert {id(p) for p in first} & {id(p) for p in second}  # the cache hands out the same device tensors
+    assert all(isinstance(p.keys, torch.Tensor) for p in first)
+
+
+def test_ask_many_answers_as_ask_does_and_the_cli_batches_the_same_way(index, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cprag.cli import app
+
+    options = dict(k=2, min_retrieval_score=0.1, min_confidence=0.0)  # the floor withholds some, not all
+    singles = [index.ask(q, **options) for q in QUESTIONS]
+    many = index.ask_many(QUESTIONS, batch_size=4, **options)
+    assert [a.no_answer_reason for a in many] == [a.no_answer_reason for a in singles]
+    for single, answer in zip(singles, many, strict=True):
+        assert (answer.answer, answer.passages, answer.confidence) == (single.answer, single.passages,
+                                                                       single.confidence)
+        assert [c.text for c in answer.citations] == [c.text for c in single.citations]
+    questions = tmp_path / "q.txt"
+    questions.write_text("\n".join(QUESTIONS) + "\n")
+    base = ["ask", "--questions", str(questions), "--index", str(index.path), "-k", "2", "--min-retrieval-score",
+            "0.1", "--min-confidence", "0", "--json", "--checkpoint", str(index.checkpoint)]
+    runs = {size: CliRunner().invoke(app, [*base, "--batch-size", str(size)]) for size in (1, 3)}
+    for run in runs.values():
+        assert run.exit_code == 0, run.output
+    assert [json.loads(line)["answer"] for line in runs[3].stdout.splitlines()] == [a.answer for a in singles]
+    assert runs[1].stdout.count("\n") == runs[3].stdout.count("\n") == len(QUESTIONS)
+    bad = CliRunner().invoke(app, [*base, "--batch-size", "0"])
+    assert bad.exit_code == 2 and "--batch-size" in bad.output
+    wrong = CliRunner().invoke(app, [*base, "--dtype", "float16"])
+    assert wrong.exit_code == 2 and "--dtype" in wrong.output and "bfloat16" in wrong.output
+    bf16 = CliRunner().invoke(app, [*base, "--dtype", "bfloat16"])
+    assert bf16.exit_code == 0, bf16.output
+    assert bf16.stdout.count("\n") == len(QUESTIONS)
+
+
+def test_one_bad_question_stops_the_batch_before_any_answer(index):
+    from cprag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="empty"):
+        index.ask_many([QUESTIONS[0], "   "], k=2)

@@ -1,0 +1,97 @@
+"""The start reranker: span features, its file in a checkpoint, and its choice among start-beam answers."""
+
+import pytest
+import torch
+from test_index_ask import DOCS, checkpoint, embedder, index_corpus, write_jsonl  # noqa: F401 - fixtures
+
+from cprag.api import Index
+from cprag.generate import generate, lexical_prior, shared_memory
+from cprag.rerank import MAX_RANK, RERANKER_FILE, SpanCandidate, StartReranker, feature_count, span_features
+
+QUESTION = "Who designed the glass bridge?"
+RANK_COLUMN = 7  # the first rank indicator: after the seven log-probability features
+
+
+def candidate(answer: str, log_probs=(-1.0, -0.5), passage=0, prior=None) -> SpanCandidate:
+    return SpanCandidate(answer, list(log_probs), sum(log_probs) - 0.1, prior, prior, passage)
+
+
+def reranker_preferring(rank: int, size: int) -> StartReranker:
+    weights = [0.0] * size
+    weights[RANK_COLUMN + rank] = 1.0
+    return StartReranker(weights, [0.0] * size, [1.0] * size, beam=3, fitted_on={})
+
+
+def test_span_features_read_the_span_and_its_question():
+    prior = [0.5] * 46
+    candidates = [candidate("the glass bridge", prior=prior), candidate("Ada Lovelace", (-2.0,), passage=1),
+                  candidate("1889", (-3.0, -0.2, -0.1), passage=None)]
+    features = span_features(QUESTION, candidates)
+    assert features.shape == (3, feature_count(46))
+    repeated = features[:, 13]  # the share of the span's words that repeat the question
+    assert repeated.tolist() == [1.0, 0.0, 0.0]
+    assert features[:, 1].tolist() == [0.0, -1.0, -2.0]  # first-token log p against the best first token's
+    ranks = features[:, RANK_COLUMN:RANK_COLUMN + MAX_RANK]
+    assert ranks.argmax(1).tolist() == [0, 1, 2] and ranks.sum(1).tolist() == [1.0] * 3
+    assert features[2, 15] == 1.0 and features[:2, 15].tolist() == [0.0, 0.0]  # not copied
+    assert torch.isfinite(features).all()
+
+
+def test_a_reranker_file_round_trips_and_a_bad_one_is_refused(tmp_path):
+    reranker = reranker_preferring(1, 10)
+    reranker.save(tmp_path)
+    assert StartReranker.load(tmp_path) == reranker
+    assert StartReranker.load(tmp_path / "elsewhere") is None
+    (tmp_path / RERANKER_FILE).write_text((tmp_path / RERANKER_FILE).read_text().replace(
+        '"format_version": 1', '"format_version": 9'))
+    with pytest.raises(ValueError, match="format 9"):
+        StartReranker.load(tmp_path)
+    with pytest.raises(ValueError, match="differ in length"):
+        StartReranker([1.0], [0.0, 0.0], [1.0], 2, {})
+    with pytest.raises(ValueError, match="reads 10 features"):
+        reranker.scores(torch.zeros(2, 3))
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory, checkpoint, embedder):  # noqa: F811
+    root = tmp_path_factory.mktemp("rerank")
+    index_corpus(write_jsonl(root / "c.jsonl", DOCS), root / "idx", checkpoint, embedder)
+    return Index(root / "idx", checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_generate_answers_with_the_alternative_the_reranker_scores_highest(index, rank):
+    passages = index.cache.get([h.passage_id for h in index.retrieve([QUESTION], 3)[0]], index.store.fetch)
+    beam = generate(index.model, index.tokenizer, QUESTION, passages, max_new_tokens=8, start_beam=3)
+    prior = lexical_prior(index.model, index.tokenizer, QUESTION, shared_memory(passages)[0].ids[0])
+    reranker = reranker_preferring(rank, feature_count(0 if prior is None else prior.shape[-1]))
+    chosen = generate(index.model, index.tokenizer, QUESTION, passages, max_new_tokens=8, start_beam=3,
+                      reranker=reranker)
+    assert chosen.token_ids == beam.alternatives[rank].token_ids
+    assert [a.token_ids for a in chosen.alternatives] == [a.token_ids for a in beam.alternatives]
+    for alternative in beam.alternatives:  # per-token log-probs add up to the whole (with the end's)
+        assert sum(alternative.token_log_probs) >= alternative.log_prob - 1e-4
+        assert len(alternative.token_log_probs) == len(alternative.entries) == len(alternative.token_ids)
+
+
+def test_an_index_loads_its_checkpoints_reranker_and_refuses_one_of_another_checkpoint(index, checkpoint):  # noqa: F811
+    import shutil
+
+    from cprag.errors import CheckpointError
+    from cprag.rerank import prior_feature_count
+
+    assert index.reranker is None  # the tiny checkpoint ships none: answers are the likeliest
+    copy = checkpoint.parent / "with-reranker"
+    shutil.copytree(checkpoint, copy, dirs_exist_ok=True)
+    size = feature_count(prior_feature_count(index.model.config))
+    reranker_preferring(1, size).save(copy)
+    opened = Index(index.path, checkpoint=copy)
+    assert opened.reranker == reranker_preferring(1, size)
+    question = "Who designed the glass bridge?"
+    beam = opened.ask(question, k=3, min_retrieval_score=-1, min_confidence=0, start_beam=3)
+    passages = opened.cache.get([h.passage_id for h in opened.retrieve([question], 3)[0]], opened.store.fetch)
+    plain = generate(opened.model, opened.tokenizer, question, passages, start_beam=3)
+    assert beam.answer == plain.alternatives[1].answer  # the reranker's choice, not the likeliest
+    reranker_preferring(1, size + 1).save(copy)
+    with pytest.raises(CheckpointError, match="another checkpoint"):
+        Index(index.path, checkpoint=copy)
