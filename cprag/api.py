@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,9 +104,14 @@ class Index:
 
     def ask_many(self, questions: list[str], k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
                  min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
-                 start_beam: int = START_BEAM, batch_size: int = BATCH_SIZE) -> list[Answer]:
+                 start_beam: int = START_BEAM, batch_size: int = BATCH_SIZE,
+                 on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
+                 cancelled: Callable[[int], bool] | None = None) -> list[Answer]:
         """`ask` for each question, with `batch_size` questions decoded per backbone pass (hidden mode, greedy):
-        the same answers as one at a time, in fewer passes. Every question is checked before any is answered."""
+        the same answers as one at a time, in fewer passes. Every question is checked before any is answered.
+
+        In hidden greedy decoding, `on_token(i, token, source)` hears question i's tokens as they are chosen and
+        `cancelled(i)` stops question i early (`cprag.batch_generate.generate_batch`)."""
         threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
                                 max_new_tokens)
         tick = time.perf_counter()
@@ -127,14 +133,20 @@ class Index:
                                          timings_ms={name: round(ms, 1) for name, ms in timings.items()})
             else:
                 pending.append((number, passages, read, timings))
-        batched = batch_size > 1 and start_beam == 1 and batch_supported(self.model, mode)
+        streaming = on_token is not None or cancelled is not None
+        batched = (batch_size > 1 or streaming) and start_beam == 1 and batch_supported(self.model, mode)
         step = batch_size if batched else 1
         for first in range(0, len(pending), step):
             group = pending[first : first + step]
             tick = time.perf_counter()
             if batched:
-                generations = generate_batch(self.model, self.tokenizer, [questions[n] for n, *_ in group],
-                                             [p for _, p, *_ in group], max_new_tokens, min_confidence=threshold)
+                numbers = [n for n, *_ in group]
+                generations = generate_batch(
+                    self.model, self.tokenizer, [questions[n] for n in numbers], [p for _, p, *_ in group],
+                    max_new_tokens, min_confidence=threshold,
+                    on_token=None if on_token is None else
+                    lambda row, token, source, numbers=numbers: on_token(numbers[row], token, source),
+                    cancelled=None if cancelled is None else lambda row, numbers=numbers: cancelled(numbers[row]))
             else:
                 generations = [generate(self.model, self.tokenizer, questions[n], p, mode, max_new_tokens,
                                         min_confidence=threshold, start_beam=start_beam, reranker=self.reranker)

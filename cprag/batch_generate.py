@@ -14,6 +14,7 @@ would read the padding) is decoded one question at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -43,6 +44,7 @@ from cprag.prompt import end_of_turn_id, prompt_ids
 class _Row:
     """One question's decoding state."""
 
+    index: int  # the question's place in the batch
     prompt: list[int]
     passages: list[DevicePassage]
     owner: torch.Tensor  # (M_i,) passage index of each entry
@@ -58,6 +60,7 @@ class _Row:
     stop_probability: float | None = None
     no_answer: bool = False
     done: bool = False
+    on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None
 
 
 def batch_supported(model, mode: str) -> bool:
@@ -68,12 +71,17 @@ def batch_supported(model, mode: str) -> bool:
 @torch.inference_mode()
 def generate_batch(model, tokenizer, questions: list[str], passages: list[list[DevicePassage]],
                    max_new_tokens: int = 32, whole_words: bool = True, min_confidence: float = 0.0,
-                   mode: str = "hidden") -> list[Generation]:
+                   mode: str = "hidden", on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
+                   cancelled: Callable[[int], bool] | None = None) -> list[Generation]:
     """Greedy answers to `questions`, question i from `passages[i]`, decoded together: the same answers,
-    sources, confidences and citations as `generate` gives each question alone."""
+    sources, confidences and citations as `generate` gives each question alone.
+
+    `on_token(i, token, source)` hears each token of question i as it is chosen (source: (passage index,
+    position) when copied), for streaming; question i stops decoding once `cancelled(i)` is true (a client that
+    went away), and its generation is what it had by then."""
     if len(questions) != len(passages):
         raise ValueError(f"{len(questions)} questions but {len(passages)} passage lists")
-    if not batch_supported(model, mode) or len(questions) == 1:
+    if not batch_supported(model, mode) or (len(questions) == 1 and on_token is None and cancelled is None):
         return [generate(model, tokenizer, q, p, mode, max_new_tokens, whole_words=whole_words,
                          min_confidence=min_confidence) for q, p in zip(questions, passages, strict=True)]
     window = model.config.max_position_embeddings
@@ -86,7 +94,7 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
     for prompt, shards in zip(prompts, passages, strict=True):
         memory, owner, position = shared_memory(shards)
         continues = inside_word(tokenizer, memory.ids[0]) if memory is not None and whole_words else None
-        rows.append(_Row(prompt, shards, owner, position, continues, [], [], [], []))
+        rows.append(_Row(len(rows), prompt, shards, owner, position, continues, [], [], [], [], on_token=on_token))
     memory, sizes = _batch_memory(model, tokenizer, questions, passages, rows, device)
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
 
@@ -122,7 +130,12 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
         _emit(row, token, copied_source(step, token, view), step)
         row.done = len(row.tokens) >= max_new_tokens
 
-    while not all(row.done for row in rows):
+    while True:
+        for i, row in enumerate(rows):
+            if not row.done and cancelled is not None and cancelled(i):
+                row.done = True
+        if all(row.done for row in rows):
+            break
         feed = torch.tensor([[row.tokens[-1] if row.tokens else 0] for row in rows], device=device)
         active = torch.tensor([[0 if row.done else 1] for row in rows], device=device)
         previous = torch.tensor([[-1 if row.done or row.entry is None else row.entry] for row in rows],
@@ -222,3 +235,5 @@ def _emit(row: _Row, token: int, entry: int | None, step: Step) -> None:
     row.entries.append(entry)
     row.sources.append(None if entry is None else (int(row.owner[entry]), int(row.position[entry])))
     row.entry = entry
+    if row.on_token is not None:
+        row.on_token(row.index, token, row.sources[-1])

@@ -1,0 +1,267 @@
+"""`cprag serve`: the index over HTTP. One model, retriever and key-shard cache shared by every request; concurrent
+questions decoded together (`cprag.serve.batcher`); answers streamed token by token as server-sent events.
+
+Routes: POST /v1/ask (`?stream=true` for events), POST /v1/ask_batch, GET /v1/info, GET /healthz, GET / (the
+page), /docs (OpenAPI). Every route but /healthz asks for the API key when one is set (`Authorization: Bearer
+KEY` or `X-API-Key: KEY`, compared in constant time, never logged). Nothing a request does writes to the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from cprag.errors import ConfigError, CpragError, IndexBusy, IndexUnfinished, QuestionTooLong, TooFewPassages
+from cprag.generate import MODES
+from cprag.serve.batcher import Batcher, Job
+
+RETRY_AFTER_S = 5
+
+
+@dataclass
+class ServeConfig:
+    """Limits and batching of a server; validated here, with the flag named in errors."""
+
+    max_batch: int = 16  # questions decoded per backbone pass
+    max_wait_ms: float = 10.0  # how long a request waits for others to batch with
+    max_question_chars: int = 2000
+    max_k: int = 20
+    max_new_tokens: int = 64
+    max_batch_questions: int = 64  # per /v1/ask_batch request
+    max_body_bytes: int = 256 * 1024
+    timeout_s: float = 120.0  # a request not answered by then gets 504
+    api_key: str | None = None
+
+    def __post_init__(self):
+        for name, flag in (("max_batch", "--max-batch"), ("max_k", "--max-k"), ("max_new_tokens", "--max-new-tokens"),
+                           ("max_question_chars", "--max-question-chars"), ("max_body_bytes", "--max-body-bytes")):
+            if getattr(self, name) < 1:
+                raise ConfigError(flag, getattr(self, name), "must be at least 1")
+        if self.max_wait_ms < 0:
+            raise ConfigError("--max-wait-ms", self.max_wait_ms, "must be 0 or more")
+        if self.timeout_s <= 0:
+            raise ConfigError("--timeout", self.timeout_s, "must be positive")
+        if self.api_key is not None and len(self.api_key) < 8:
+            raise ConfigError("--api-key", "(hidden)", "must be at least 8 characters")
+
+
+class AskRequest(BaseModel):
+    question: str = Field(..., description="The question.", examples=["When was the lighthouse built?"])
+    k: int = Field(5, description="Passages to retrieve.")
+    mode: str = Field("hidden", description="hidden (keys), visible (passages in the prompt) or closed.")
+    max_new_tokens: int = Field(32, description="Most tokens in the answer.")
+    min_confidence: float | None = Field(None, description="Withhold answers below this (default: the model's).")
+
+
+class AskBatchRequest(BaseModel):
+    questions: list[str]
+    k: int = 5
+    mode: str = "hidden"
+    max_new_tokens: int = 32
+    min_confidence: float | None = None
+
+
+class Served:
+    """The opened index (opened on first use while `cprag index` is still building it) and its batcher."""
+
+    def __init__(self, path: Path, open_index, config: ServeConfig):
+        self.path, self.open_index, self.config = path, open_index, config
+        self.lock = threading.Lock()
+        self.index = None
+        self.batcher: Batcher | None = None
+
+    def get(self):
+        with self.lock:
+            if self.index is None:
+                self.index = self.open_index()  # IndexBusy / IndexUnfinished while a first build runs
+                self.batcher = Batcher(self.index, self.config.max_batch, self.config.max_wait_ms / 1000)
+            return self.index
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+
+
+def error(status: int, kind: str, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status, headers=headers)
+
+
+def create_app(path: str | Path, open_index, config: ServeConfig | None = None) -> FastAPI:
+    """The app over the index at `path`; `open_index()` returns an opened `cprag.Index` (called on first use)."""
+    config = config or ServeConfig()
+    served = Served(Path(path), open_index, config)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        served.close()
+
+    app = FastAPI(title="cprag", description="Answers copied from documents the language model never reads.",
+                  version="1", lifespan=lifespan)
+    app.state.served = served
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if config.api_key is not None and request.url.path != "/healthz":
+            given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix(
+                "Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+                return error(401, "unauthorized", "a valid API key is required (Authorization: Bearer KEY)")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
+            return error(413, "too_large", f"the body is over {config.max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", [])[1:]) or "body"
+        return error(422, "invalid", f"{where}: {first.get('msg', 'invalid request')}")
+
+    def index_or_503():
+        try:
+            return served.get(), None
+        except (IndexBusy, IndexUnfinished) as failure:
+            return None, error(503, "index_not_ready", str(failure), {"Retry-After": str(RETRY_AFTER_S)})
+        except CpragError as failure:
+            return None, error(500, "index_unusable", str(failure))
+
+    def check(index, questions: list[str], k: int, mode: str, max_new_tokens: int, min_confidence):
+        """None, or the 4xx response for the first bad value."""
+        if mode not in MODES:
+            return error(422, "invalid", f"mode: expected one of {', '.join(MODES)}, not {mode!r}")
+        if not 1 <= k <= min(config.max_k, len(index)):
+            return error(422, "invalid", f"k: must be between 1 and {min(config.max_k, len(index))}, not {k}")
+        if not 1 <= max_new_tokens <= config.max_new_tokens:
+            return error(422, "invalid", f"max_new_tokens: must be between 1 and {config.max_new_tokens}")
+        for question in questions:
+            if len(question) > config.max_question_chars:
+                return error(413, "too_large", f"question: over {config.max_question_chars} characters")
+        try:
+            index.check_questions(questions, mode, min_confidence, max_new_tokens=max_new_tokens)
+        except QuestionTooLong as failure:
+            return error(413, "too_large", str(failure))
+        except (ConfigError, TooFewPassages) as failure:
+            return error(422, "invalid", str(failure))
+        return None
+
+    async def answer(job: Job):
+        return await asyncio.wait_for(asyncio.wrap_future(served.batcher.submit(job)), timeout=config.timeout_s)
+
+    def payload(index, answer) -> dict:
+        """The `ask --json` object, with each passage's text and offset for highlighting the copied spans."""
+        result = answer.to_json()
+        for passage in result["passages"]:
+            entry = index.cache.entries.get(passage["passage_id"])
+            if entry is not None:
+                passage["text"], passage["char_start"] = entry.passage.text, entry.passage.char_start
+        return result
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/v1/info")
+    async def info():
+        from cprag.api import index_info
+
+        index, failure = index_or_503()
+        if failure:
+            return failure
+        return {"index": index_info(served.path), "model": {"device": index.device,
+                "dtype": str(next(index.model.parameters()).dtype).removeprefix("torch.")},
+                "cache": index.cache.stats(), "batches": {"count": len(served.batcher.batches),
+                                                          "largest": max(served.batcher.batches, default=0)}}
+
+    @app.post("/v1/ask")
+    async def ask(request: Request, body: AskRequest, stream: bool = Query(False)):
+        index, failure = index_or_503()
+        if failure:
+            return failure
+        bad = check(index, [body.question], body.k, body.mode, body.max_new_tokens, body.min_confidence)
+        if bad:
+            return bad
+        if not stream:
+            job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence)
+            try:
+                return payload(index, await answer(job))
+            except TimeoutError:
+                job.cancelled.set()
+                return error(504, "timeout", f"no answer within {config.timeout_s:g} s")
+        return StreamingResponse(stream_events(request, index, body), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_events(request: Request, index, body: AskRequest):
+        """`token` events ({"text", "citation"}) as the answer is decoded, then one `answer` event."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        tokens: list[int] = []
+        shown = [""]
+
+        def on_token(token: int, source) -> None:  # the batcher's thread
+            tokens.append(token)
+            text = index.tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
+            delta, shown[0] = text[len(shown[0]):], text
+            loop.call_soon_threadsafe(events.put_nowait, ("token", {"text": delta, "copied": source is not None}))
+
+        job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence, on_token)
+        future = asyncio.wrap_future(served.batcher.submit(job))
+        deadline = loop.time() + config.timeout_s
+        while True:
+            if await request.is_disconnected():
+                job.cancelled.set()  # frees its place in the batch at the next step
+                return
+            if future.done() and events.empty():
+                break
+            if loop.time() > deadline:
+                job.cancelled.set()
+                yield _event("error", {"type": "timeout", "message": f"no answer within {config.timeout_s:g} s"})
+                return
+            try:
+                kind, data = await asyncio.wait_for(events.get(), timeout=0.05)
+            except TimeoutError:
+                continue
+            yield _event(kind, data)
+        try:
+            yield _event("answer", payload(index, future.result()))
+        except Exception as failure:  # noqa: BLE001 - the stream ends with what went wrong
+            yield _event("error", {"type": "failed", "message": str(failure)})
+
+    @app.post("/v1/ask_batch")
+    async def ask_batch(body: AskBatchRequest):
+        index, failure = index_or_503()
+        if failure:
+            return failure
+        if not 1 <= len(body.questions) <= config.max_batch_questions:
+            return error(422, "invalid", f"questions: give 1 to {config.max_batch_questions} questions")
+        bad = check(index, body.questions, body.k, body.mode, body.max_new_tokens, body.min_confidence)
+        if bad:
+            return bad
+        jobs = [Job(q, body.k, body.mode, body.max_new_tokens, body.min_confidence) for q in body.questions]
+        try:
+            answers = await asyncio.gather(*(answer(job) for job in jobs))
+        except TimeoutError:
+            for job in jobs:
+                job.cancelled.set()
+            return error(504, "timeout", f"no answer within {config.timeout_s:g} s")
+        return {"answers": [payload(index, a) for a in answers]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return resources.files("cprag.serve").joinpath("page.html").read_text(encoding="utf-8")
+
+    return app
+
+
+def _event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
