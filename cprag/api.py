@@ -58,7 +58,8 @@ class Index:
     """An opened index with its generator, retriever and key-shard cache, reused across questions."""
 
     def __init__(self, path: str | Path, checkpoint: str | Path | None = None, device: str | None = None,
-                 model=None, tokenizer=None, cache_bytes: int = 512 * 2**20, dtype: str | None = None):
+                 model=None, tokenizer=None, cache_bytes: int = 512 * 2**20, dtype: str | None = None,
+                 fingerprint: str | None = None):
         self.path = Path(path)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)  # None: the shipped one
         # the index's own files first: a damaged index fails in milliseconds, before seconds of model loading;
@@ -72,9 +73,10 @@ class Index:
             # the fingerprint of the stored (fp32) weights: an index built on a CPU opens on a GPU in bf16
             fingerprint = model_fingerprint(model)
             model = model.to(self.device, resolve_dtype(self.device, dtype))
-        else:
+        elif fingerprint is None:  # a model handed in: its weights as they are, unless its fingerprint comes along
             fingerprint = model_fingerprint(model)
         check_model(self.path, self.manifest, fingerprint)
+        self.fingerprint = fingerprint
         self.model, self.tokenizer = model, tokenizer
         self.embedder = MiniLMEmbedder(self.device)
         self.cache = KeyCache(self.device, next(model.parameters()).dtype, max_bytes=cache_bytes)
@@ -84,6 +86,14 @@ class Index:
 
     def __len__(self) -> int:
         return len(self.passage_index)
+
+    def reopened(self) -> Index:
+        """The same index at its latest committed version, with this one's model, reranker and device (an open
+        `Index` keeps the version it opened; a long-lived server reopens when `cprag index` commits)."""
+        fresh = Index(self.path, checkpoint=self.checkpoint, device=self.device, model=self.model,
+                      tokenizer=self.tokenizer, cache_bytes=self.cache.max_bytes, fingerprint=self.fingerprint)
+        fresh.reranker = self.reranker
+        return fresh
 
     def retrieve(self, questions: list[str], k: int):
         if k < 1:

@@ -59,7 +59,8 @@ class _Moving(Exception):
     """The manifest was replaced while the files it named were read: a commit landed."""
 
 
-def _stamp(path: Path) -> tuple | None:
+def manifest_stamp(path: Path) -> tuple | None:
+    """(inode, mtime, size) of the manifest, or None: it changes with every commit."""
     try:
         info = os.stat(path / MANIFEST)
     except FileNotFoundError:
@@ -79,7 +80,7 @@ def faiss_files(path: Path, manifest: dict) -> dict[str, str]:
 
 
 def _read_consistent(path: Path) -> Snapshot:
-    before = _stamp(path)
+    before = manifest_stamp(path)
     manifest = read_manifest(path)
     if manifest.get("status") != "complete":
         raise IndexUnfinished(str(path))
@@ -92,7 +93,7 @@ def _read_consistent(path: Path) -> Snapshot:
             raise IndexCorrupt(str(path), f"{files['ids']} describes table version {passage_index.table_version} "
                                f"but manifest.json version {version}; " + REFRESH.format(path=path))
     except IndexCorrupt:
-        if _stamp(path) != before:
+        if manifest_stamp(path) != before:
             raise _Moving() from None
         raise
     stored = store.count()

@@ -240,3 +240,26 @@ def test_the_page_streams_an_answer_and_highlights_the_copied_span(server, tmp_p
         page.screenshot(path=str(tmp_path / "page.png"))
         browser.close()
     assert Path(tmp_path / "page.png").stat().st_size > 5000
+
+
+def test_a_running_server_picks_up_a_committed_update_of_its_index(tmp_path, built, embedder):  # noqa: F811
+    import cprag.serve.app as served_app
+
+    checkpoint = built[1]
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    index_corpus(corpus, tmp_path / "idx", checkpoint, embedder)
+    opened = Index(tmp_path / "idx", checkpoint=checkpoint)
+    question = {"question": "What does the tower of Quellmoor hold?", "k": 1, "min_confidence": 0.0}
+    served_app.REOPEN_CHECK_S = 0.0
+    try:
+        with TestClient(create_app(tmp_path / "idx", lambda: opened)) as client:
+            before = client.post("/v1/ask", json=question).json()
+            assert before["passages"][0]["doc_id"] != "tower"
+            write_jsonl(corpus, DOCS + [{"id": "tower", "title": "Quellmoor Tower",
+                                         "text": "The tower of Quellmoor holds a brass telescope from 1902."}])
+            index_corpus(corpus, tmp_path / "idx", checkpoint, embedder)
+            after = client.post("/v1/ask", json=question).json()
+            assert after["passages"][0]["doc_id"] == "tower" and "telescope" in after["passages"][0]["text"]
+            assert client.get("/v1/info").json()["reopened"] == 1
+    finally:
+        served_app.REOPEN_CHECK_S = 1.0

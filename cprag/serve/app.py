@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -25,8 +26,10 @@ from pydantic import BaseModel, Field
 from cprag.errors import ConfigError, CpragError, IndexBusy, IndexUnfinished, QuestionTooLong, TooFewPassages
 from cprag.generate import MODES
 from cprag.serve.batcher import Batcher, Job
+from cprag.snapshot import manifest_stamp
 
 RETRY_AFTER_S = 5
+REOPEN_CHECK_S = 1.0  # how often a request may look for a newer committed version of the index
 
 
 @dataclass
@@ -73,19 +76,36 @@ class AskBatchRequest(BaseModel):
 
 
 class Served:
-    """The opened index (opened on first use while `cprag index` is still building it) and its batcher."""
+    """The opened index and its batcher. Opened on first use (503 while `cprag index` is still building it), and
+    reopened at the latest committed version when `cprag index` commits one (checked at most once a second):
+    requests then see the updated documents, with the same model."""
 
     def __init__(self, path: Path, open_index, config: ServeConfig):
         self.path, self.open_index, self.config = path, open_index, config
         self.lock = threading.Lock()
         self.index = None
         self.batcher: Batcher | None = None
+        self.stamp, self.checked = None, 0.0
+        self.reopened = 0  # versions picked up since start
 
     def get(self):
         with self.lock:
             if self.index is None:
+                stamp = manifest_stamp(self.path)
                 self.index = self.open_index()  # IndexBusy / IndexUnfinished while a first build runs
+                self.stamp, self.checked = stamp, time.monotonic()
                 self.batcher = Batcher(self.index, self.config.max_batch, self.config.max_wait_ms / 1000)
+            elif time.monotonic() - self.checked >= REOPEN_CHECK_S:
+                self.checked = time.monotonic()
+                stamp = manifest_stamp(self.path)
+                if stamp != self.stamp:
+                    try:
+                        fresh = self.index.reopened()
+                    except CpragError:
+                        pass  # a commit mid-way or a damaged update: keep answering from the version we have
+                    else:
+                        self.index, self.stamp, self.batcher.index = fresh, stamp, fresh
+                        self.reopened += 1
             return self.index
 
     def close(self) -> None:
@@ -162,8 +182,9 @@ def create_app(path: str | Path, open_index, config: ServeConfig | None = None) 
     def payload(index, answer) -> dict:
         """The `ask --json` object, with each passage's text and offset for highlighting the copied spans."""
         result = answer.to_json()
+        cache = served.index.cache if served.index is not None else index.cache  # the version that answered
         for passage in result["passages"]:
-            entry = index.cache.entries.get(passage["passage_id"])
+            entry = cache.entries.get(passage["passage_id"])
             if entry is not None:
                 passage["text"], passage["char_start"] = entry.passage.text, entry.passage.char_start
         return result
@@ -181,7 +202,8 @@ def create_app(path: str | Path, open_index, config: ServeConfig | None = None) 
             return failure
         return {"index": index_info(served.path), "model": {"device": index.device,
                 "dtype": str(next(index.model.parameters()).dtype).removeprefix("torch.")},
-                "cache": index.cache.stats(), "batches": {"count": len(served.batcher.batches),
+                "cache": index.cache.stats(), "reopened": served.reopened,
+                "batches": {"count": len(served.batcher.batches),
                                                           "largest": max(served.batcher.batches, default=0)}}
 
     @app.post("/v1/ask")
