@@ -108,7 +108,7 @@ class Index:
         """Answer from the k retrieved passages. Withheld as "no answer": questions whose best passage scores
         below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
         `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0). `start_beam` first tokens are decoded
-        and the likeliest whole answer is kept."""
+        and the checkpoint's start reranker (`self.reranker`; without one, the likeliest) picks the answer."""
         return self.ask_many([question], k, mode, max_new_tokens, min_confidence, min_retrieval_score, start_beam,
                              batch_size=1)[0]
 

@@ -197,10 +197,11 @@ def index_command(
 EVAL_BATCH_OPTION = typer.Option(1, "--batch-size", help="Hidden-mode questions decoded per backbone pass (with "
                                  "--oracle; the same answers, and latency becomes each question's share of its "
                                  "batch).")
-DTYPE_OPTION = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on "
-                            "CPU; see cprag.runtime).")
+DTYPE_OPTION = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: CPRAG_DTYPE, else bfloat16 on "
+                            "CUDA and on CPUs with bf16 units, float32 on others; see cprag.runtime).")
 START_BEAM_OPTION = typer.Option(None, "--start-beam", help="Decode from this many most probable first tokens and "
-                                  "keep the likeliest whole answer (default: cprag.api.START_BEAM; 1: greedy).")
+                                  "answer with the one the checkpoint's start reranker picks (the likeliest without "
+                                  "one); 4: +1.7 F1 on SQuAD dev at 2.4x the decode time (default: 1, greedy).")
 
 
 @app.command("ask")
@@ -559,12 +560,14 @@ def eval_squad_command(
             opened = Index(index, checkpoint=checkpoint)
             model, tokenizer = opened.model, opened.tokenizer
         else:
+            from cprag.api import load_reranker
             from cprag.checkpoint import load_model
 
             opened = None
             model, tokenizer = load_model(checkpoint)
+    reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
     summary, results = _answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
-        data, config, model, tokenizer, opened, progress, result))
+        data, config, model, tokenizer, opened, progress, result, reranker))
     split = ", held-out articles" if held_out else ""
     write_squad_report(out_dir, summary, results,
                        f"SQuAD ({summary['eval/source']}{split}, {summary['eval/questions']} q)")

@@ -66,6 +66,7 @@ def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...
 def evaluate_squad(
     data_path: str | Path, config: SquadEvalConfig, model, tokenizer, index=None,
     on_progress: Callable[[int, int], None] | None = None, on_result: Callable[[QAResult], None] | None = None,
+    reranker=None,
 ) -> tuple[dict, list[QAResult]]:
     """Answer every sampled question in every mode; with `index` (an opened cprag.Index) passages are retrieved,
     otherwise each question gets its gold passage plus `distractors` others (oracle). `on_result` sees each
@@ -89,7 +90,7 @@ def evaluate_squad(
         results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                                   config.seed, config.max_new_tokens, on_result=tick,
                                   min_confidence=config.min_confidence, start_beam=config.start_beam,
-                                  batch_size=config.batch_size)
+                                  batch_size=config.batch_size, reranker=reranker)
     else:
         results, extra = _evaluate_with_index(index, examples, config, tick)
     summary = summarize(results) if results else {}

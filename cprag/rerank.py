@@ -126,8 +126,12 @@ class StartReranker:
         """The index of the chosen candidate."""
         if len(candidates) == 1:
             return 0
-        prior_size = len(self.weights) - feature_count(0)
-        return int(self.scores(span_features(question, candidates, prior_size)).argmax())
+        return int(self.scores(span_features(question, candidates, self.prior_size)).argmax())
+
+    @property
+    def prior_size(self) -> int:
+        """The length of the lexical feature vector it was fitted with (`feature_count` inverted)."""
+        return next((size for size in range(len(self.weights)) if feature_count(size) == len(self.weights)), 0)
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / RERANKER_FILE

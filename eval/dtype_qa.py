@@ -1,13 +1,13 @@
-"""The shipped checkpoint in fp32 against bf16 weights on this CPU, in one run: answers, latency, key encoding and
-batched decoding. Decides `cprag.runtime.CPU_BF16_DEFAULT` (bf16 ships as the CPU default only if hidden EM moves
+"""The shipped checkpoint in fp32 against bf16 weights on this CPU, in one run: answers, latency and key encoding.
+Decides `cprag.runtime.CPU_BF16_DEFAULT` (bf16 ships as the CPU default only if hidden EM moves
 by at most 1 point).
 
     python eval/dtype_qa.py ../shared/data/squad-v1.1-dev-public.json [--questions 300] [--out eval/dtype/qa.json]
 
 Answers: the first N of the seeded sample `cprag eval squad DEV --oracle --limit 1000` asks (hidden mode, gold
 passage + 4 same-article distractors, keys encoded by the model in the same dtype, one question at a time as `ask`
-decodes). Encoding: `encode_passages` over 64 seeded passages, after a warm-up pass. Batched: the first 64
-questions at 16 per backbone pass against one at a time. Keys: dtype/{float32,bfloat16}/..., dtype/em_delta.
+decodes). Encoding: `encode_passages` over 64 seeded passages, after a warm-up pass. (Batched throughput is
+`cprag eval bench --dtype ...`'s batch/qps@B.) Keys: dtype/{float32,bfloat16}/..., dtype/em_delta.
 """
 
 from __future__ import annotations
@@ -61,10 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"dtype/{name}/em"] = round(float(scores[name][0].mean()), 2)
         figures[f"dtype/{name}/f1"] = round(float(scores[name][1].mean()), 2)
         figures[f"dtype/{name}/ask_p50_ms"] = round(float(np.median([r.latency_ms for r in results])), 1)
-        for batch in (1, 16):
-            tick = time.perf_counter()
-            evaluate_oracle(model, tokenizer, examples[:64], data.passages, ["hidden"], batch_size=batch)
-            figures[f"dtype/{name}/qps@{batch}"] = round(64 / (time.perf_counter() - tick), 3)
         print(json.dumps({k: v for k, v in figures.items() if name in k}), file=sys.stderr, flush=True)
     figures["dtype/em_delta"] = round(figures["dtype/bfloat16/em"] - figures["dtype/float32/em"], 2)
     figures["dtype/em_delta_ci95"] = paired_interval(scores["bfloat16"][0], scores["float32"][0])

@@ -95,3 +95,28 @@ def test_an_index_loads_its_checkpoints_reranker_and_refuses_one_of_another_chec
     reranker_preferring(1, size + 1).save(copy)
     with pytest.raises(CheckpointError, match="another checkpoint"):
         Index(index.path, checkpoint=copy)
+
+
+@pytest.mark.parametrize("prior_size", [0, 4, 46])
+def test_a_reranker_reads_candidates_with_and_without_lexical_features(prior_size):
+    reranker = reranker_preferring(2, feature_count(prior_size))
+    assert reranker.prior_size == prior_size
+    prior = [0.25] * prior_size if prior_size else None
+    candidates = [candidate("Ada Lovelace", prior=prior), candidate("1889", passage=None),  # a generated token
+                  candidate("the bridge", prior=prior)]
+    assert reranker.choose(QUESTION, candidates) == 2
+
+
+def test_the_dtype_is_bf16_on_cuda_and_on_cpus_with_bf16_units_unless_overridden(monkeypatch):
+    from cprag import runtime
+    from cprag.errors import ConfigError
+
+    monkeypatch.delenv("CPRAG_DTYPE", raising=False)
+    assert runtime.resolve_dtype("cuda") == torch.bfloat16
+    expected = torch.bfloat16 if runtime.CPU_BF16_DEFAULT and runtime.cpu_has_bf16_units() else torch.float32
+    assert runtime.resolve_dtype("cpu") == expected
+    assert runtime.resolve_dtype("cpu", "float32") == torch.float32
+    monkeypatch.setenv("CPRAG_DTYPE", "float32")
+    assert runtime.resolve_dtype("cuda") == torch.float32
+    with pytest.raises(ConfigError, match="--dtype"):
+        runtime.resolve_dtype("cpu", "float16")

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.save:
+        args.save.mkdir(parents=True, exist_ok=True)
         StartReranker(weights.tolist(), mean.tolist(), scale.tolist(), beam, {
             "train": args.train.name, "train/n": len(train), "loss": loss, "l2": l2,
             **{k: v for k, v in summary.items() if k.startswith("validation/")}}).save(args.save)
