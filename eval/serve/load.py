@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streamed", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     parser.add_argument("--serve-args", default="", help="extra `cprag serve` flags, space separated")
+    parser.add_argument("--page-question", default="When was the lighthouse at Varna Point built?",
+                        help="the question in the page's screenshot")
     args = parser.parse_args(argv)
     titles = [d.title or d.id for d in read_corpus(args.corpus).documents]
     questions = bench_questions(titles, args.questions)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         streamed = time_to_first_token(url, questions[: args.streamed])
         info = httpx.get(url + "/v1/info", timeout=60).json()
         args.out.mkdir(parents=True, exist_ok=True)
-        shot = screenshot(url, questions[0], args.out / "page.png")
+        shot = screenshot(url, args.page_question, args.out / "page.png")
     finally:
         server.terminate()
         server.wait(timeout=60)
