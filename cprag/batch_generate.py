@@ -130,22 +130,24 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
         _emit(row, token, copied_source(step, token, view), step)
         row.done = len(row.tokens) >= max_new_tokens
 
+    live = list(range(len(rows)))  # the rows still in the batch tensors, in their order there
     while True:
-        for i, row in enumerate(rows):
-            if not row.done and cancelled is not None and cancelled(i):
-                row.done = True
-        if all(row.done for row in rows):
+        for i in live:
+            if not rows[i].done and cancelled is not None and cancelled(i):
+                rows[i].done = True
+        if all(rows[i].done for i in live):
             break
-        feed = torch.tensor([[row.tokens[-1] if row.tokens else 0] for row in rows], device=device)
-        active = torch.tensor([[0 if row.done else 1] for row in rows], device=device)
-        previous = torch.tensor([[-1 if row.done or row.entry is None else row.entry] for row in rows],
-                                device=device)
-        out = model(feed, active, memory=memory, context=context, use_cache=True, prev_source=previous,
-                    position_ids=next_position)
+        if any(rows[i].done for i in live):  # finished rows leave the batch: later steps cost only what is left
+            keep = [j for j, i in enumerate(live) if not rows[i].done]
+            context, memory, next_position = _select(context, memory, next_position, keep)
+            live, sizes = [live[j] for j in keep], [sizes[j] for j in keep]
+        feed = torch.tensor([[rows[i].tokens[-1]] for i in live], device=device)
+        previous = torch.tensor([[-1 if rows[i].entry is None else rows[i].entry] for i in live], device=device)
+        out = model(feed, torch.ones_like(feed), memory=memory, context=context, use_cache=True,
+                    prev_source=previous, position_ids=next_position)
         context, next_position = out.context, next_position + 1
-        for i, row in enumerate(rows):
-            if not row.done:
-                _choose(row, _row_step(out, i), _row_memory(memory, sizes, i), stop, max_new_tokens)
+        for j, i in enumerate(live):
+            _choose(rows[i], _row_step(out, j), _row_memory(memory, sizes, j), stop, max_new_tokens)
 
     generations = []
     for row in rows:
@@ -190,6 +192,22 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
                 prior = torch.zeros((batch, size, features.shape[-1]), dtype=features.dtype, device=device)
             prior[i, :n] = features[0]
     return CopyMemory(keys=keys, ids=ids, mask=mask, prior=prior, end_allowed=end_allowed), sizes
+
+
+def _select(context, memory: CopyMemory | None, next_position: torch.Tensor, keep: list[int]):
+    """The batch's running context, memory and next positions with only the rows `keep` (their order kept)."""
+    index = torch.tensor(keep, device=next_position.device)
+    context.cache.batch_select_indices(index)
+    context.keys, context.ids, context.mask = (t[index] for t in (context.keys, context.ids, context.mask))
+    if context.refine is not None:
+        context.refine = context.refine[index]
+    if context.copyable is not None:
+        context.copyable = context.copyable[index]
+    if memory is not None:
+        memory = CopyMemory(keys=memory.keys[index], ids=memory.ids[index], mask=memory.mask[index],
+                            prior=None if memory.prior is None else memory.prior[index],
+                            end_allowed=None if memory.end_allowed is None else memory.end_allowed[index])
+    return context, memory, next_position[index]
 
 
 def _row_memory(memory: CopyMemory | None, sizes: list[int], i: int):
