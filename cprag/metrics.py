@@ -79,3 +79,13 @@ def threshold_within(confidences: list[float], answerable: list[bool], scores: l
         if following > confidence:  # a threshold can only fall between distinct confidences
             threshold = following
     return threshold
+
+
+def paired_interval(a, b, resamples: int = 10_000, seed: int = 0) -> list[float]:
+    """95% paired bootstrap interval of mean(a - b) over questions (a, b: per-question scores)."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    rng = np.random.default_rng(seed)
+    means = (a - b)[rng.integers(0, len(a), size=(resamples, len(a)))].mean(axis=1)
+    return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]

@@ -25,14 +25,9 @@ import torch
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
 from cprag.encode import encode_passages, tokenize_passage
 from cprag.evaluate import sample_examples
+from cprag.metrics import paired_interval
 from cprag.qa_eval import evaluate_oracle
 from cprag.squad import read_squad
-
-
-def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int = 10_000, seed: int = 0) -> list[float]:
-    rng = np.random.default_rng(seed)
-    means = (a - b)[rng.integers(0, len(a), size=(resamples, len(a)))].mean(axis=1)
-    return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
 from cprag.evaluate import bar_plot, sample_examples
 from cprag.generate import generate
-from cprag.metrics import squad2_question_scores
+from cprag.metrics import paired_interval, squad2_question_scores
 from cprag.qa_eval import OracleMemory, oracle_passage_ids
 from cprag.squad import read_squad
 
@@ -73,13 +73,6 @@ def choose(record: dict, beam: int, alpha: float) -> dict:
     alternatives = record["alternatives"][:beam]
     return max(alternatives, key=lambda a: a["log_prob"] / max(a["tokens"], 1) ** alpha)
 
-
-def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int = 10_000, seed: int = 0) -> list[float]:
-    """95% bootstrap interval of mean(a - b) over questions."""
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(a), size=(resamples, len(a)))
-    means = (a - b)[picks].mean(axis=1)
-    return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
 
 
 def summarize(records: list[dict], max_beam: int) -> dict:

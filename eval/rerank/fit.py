@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cprag.metrics import paired_interval
 from cprag.rerank import SpanCandidate, StartReranker, span_features
 
 LOSSES = ("best", "expected")
@@ -81,11 +82,6 @@ def cross_validated_f1(records: list[dict], loss: str, l2: float, folds: int = 5
         f1s.extend(picked(test, *fit(train, loss, l2))[1])
     return float(np.mean(f1s))
 
-
-def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int = 10_000, seed: int = 0) -> list[float]:
-    rng = np.random.default_rng(seed)
-    means = (a - b)[rng.integers(0, len(a), size=(resamples, len(a)))].mean(axis=1)
-    return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
 
 
 def main(argv: list[str] | None = None) -> int:
