@@ -14,6 +14,7 @@ from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.generate import MODES, Citation, generate
 from cprag.prompt import prompt_ids
+from cprag.prompt_prefix import PromptPrefix, prompt_prefix
 from cprag.rerank import RERANKER_FILE, StartReranker
 from cprag.retrieve import MiniLMEmbedder
 from cprag.runtime import default_device, resolve_dtype
@@ -83,6 +84,14 @@ class Index:
         # the checkpoint's StartReranker (cprag.rerank), which chooses among start-beam answers; None: the likeliest
         # (a model handed in without its checkpoint directory has none)
         self.reranker = None if model_given and checkpoint is None else load_reranker(checkpoint, model.config)
+        self._prefix: PromptPrefix | None = None
+
+    @property
+    def prefix(self) -> PromptPrefix | None:
+        """The prompts' fixed beginning, run once for this index's model (built at the first question)."""
+        if self._prefix is None:
+            self._prefix = prompt_prefix(self.model, self.tokenizer)
+        return self._prefix
 
     def __len__(self) -> int:
         return len(self.passage_index)
@@ -92,7 +101,7 @@ class Index:
         `Index` keeps the version it opened; a long-lived server reopens when `cprag index` commits)."""
         fresh = Index(self.path, checkpoint=self.checkpoint, device=self.device, model=self.model,
                       tokenizer=self.tokenizer, cache_bytes=self.cache.max_bytes, fingerprint=self.fingerprint)
-        fresh.reranker = self.reranker
+        fresh.reranker, fresh._prefix = self.reranker, self._prefix
         return fresh
 
     def retrieve(self, questions: list[str], k: int):
@@ -153,13 +162,14 @@ class Index:
                 numbers = [n for n, *_ in group]
                 generations = generate_batch(
                     self.model, self.tokenizer, [questions[n] for n in numbers], [p for _, p, *_ in group],
-                    max_new_tokens, min_confidence=threshold,
+                    max_new_tokens, min_confidence=threshold, prefix=self.prefix,
                     on_token=None if on_token is None else
                     lambda row, token, source, numbers=numbers: on_token(numbers[row], token, source),
                     cancelled=None if cancelled is None else lambda row, numbers=numbers: cancelled(numbers[row]))
             else:
                 generations = [generate(self.model, self.tokenizer, questions[n], p, mode, max_new_tokens,
-                                        min_confidence=threshold, start_beam=start_beam, reranker=self.reranker)
+                                        min_confidence=threshold, start_beam=start_beam, reranker=self.reranker,
+                                        prefix=self.prefix)
                                for n, p, *_ in group]
             generate_ms = (time.perf_counter() - tick) * 1000 / len(group)  # a batch's time, shared evenly
             for (number, _, read, timings), generation in zip(group, generations, strict=True):

@@ -7,9 +7,12 @@ batch instead of once per question. A key shard retrieved by several questions s
 key-shard cache; the padded batch memory is rebuilt from those shards per batch.
 
 The answers are those of `cprag.generate.generate` one question at a time (greedy, `choose="token"`, whole
-words): the same choices at every step, from the same mixture. Drafting, which verifies several copied tokens in
-one pass, and the start beam belong to the single-question decoder; a model with a query refiner (whose window
-would read the padding) is decoded one question at a time.
+words, drafting): the same choices at every step, from the same mixture. A row that is copying drafts its
+passage's next tokens, as the single-question decoder does, and the pass checks every row's draft at once: rows
+feed drafts of different lengths, right padded to the longest. What a row did not keep (rejected drafts and its
+padding) is rolled to the front of its cache row and masked, so each row's kept positions stay contiguous at the
+right, as the left-padded prompt started them. The start beam belongs to the single-question decoder; a model
+with a query refiner (whose window would read the padding) is decoded one question at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from cprag.cache import DevicePassage
+from cprag.decode_step import successor_entries
 from cprag.errors import QuestionTooLong
 from cprag.generate import (
     Alternative,
@@ -38,6 +42,7 @@ from cprag.generate import (
 from cprag.lexical import inside_word
 from cprag.model import CopyMemory
 from cprag.prompt import end_of_turn_id, prompt_ids
+from cprag.prompt_prefix import PromptPrefix
 
 
 @dataclass
@@ -50,6 +55,7 @@ class _Row:
     owner: torch.Tensor  # (M_i,) passage index of each entry
     position: torch.Tensor  # (M_i,) token position of each entry in its passage
     continues: torch.Tensor | None  # (M_i,) entry m continues entry m - 1's word
+    memory_ids: list[int]  # (M_i,) the token each entry pastes
     tokens: list[int]
     sources: list[tuple[int, int] | None]
     log_probs: list[float]
@@ -72,18 +78,20 @@ def batch_supported(model, mode: str) -> bool:
 def generate_batch(model, tokenizer, questions: list[str], passages: list[list[DevicePassage]],
                    max_new_tokens: int = 32, whole_words: bool = True, min_confidence: float = 0.0,
                    mode: str = "hidden", on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
-                   cancelled: Callable[[int], bool] | None = None) -> list[Generation]:
+                   cancelled: Callable[[int], bool] | None = None, draft_tokens: int = 8,
+                   prefix: PromptPrefix | None = None) -> list[Generation]:
     """Greedy answers to `questions`, question i from `passages[i]`, decoded together: the same answers,
     sources, confidences and citations as `generate` gives each question alone.
 
     `on_token(i, token, source)` hears each token of question i as it is chosen (source: (passage index,
     position) when copied), for streaming; question i stops decoding once `cancelled(i)` is true (a client that
-    went away), and its generation is what it had by then."""
+    went away), and its generation is what it had by then. `prefix`: see `cprag.generate.generate`."""
     if len(questions) != len(passages):
         raise ValueError(f"{len(questions)} questions but {len(passages)} passage lists")
     if not batch_supported(model, mode) or (len(questions) == 1 and on_token is None and cancelled is None):
         return [generate(model, tokenizer, q, p, mode, max_new_tokens, whole_words=whole_words,
-                         min_confidence=min_confidence) for q, p in zip(questions, passages, strict=True)]
+                         min_confidence=min_confidence, draft_tokens=draft_tokens, prefix=prefix)
+                for q, p in zip(questions, passages, strict=True)]
     window = model.config.max_position_embeddings
     prompts = [prompt_ids(tokenizer, q) for q in questions]
     for prompt in prompts:
@@ -94,26 +102,45 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
     for prompt, shards in zip(prompts, passages, strict=True):
         memory, owner, position = shared_memory(shards)
         continues = inside_word(tokenizer, memory.ids[0]) if memory is not None and whole_words else None
-        rows.append(_Row(len(rows), prompt, shards, owner, position, continues, [], [], [], [], on_token=on_token))
+        memory_ids = [] if memory is None else memory.ids[0].tolist()
+        rows.append(_Row(len(rows), prompt, shards, owner, position, continues, memory_ids, [], [], [], [],
+                         on_token=on_token))
     memory, sizes = _batch_memory(model, tokenizer, questions, passages, rows, device)
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
 
-    # left-padded prompts: every row's last prompt token sits in the last column
-    width = max(len(p) for p in prompts)
-    batch = len(rows)
-    ids = torch.zeros((batch, width), dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt):] = torch.tensor(prompt)
-        attention[i, width - len(prompt):] = 1
-    ids, attention = ids.to(device), attention.to(device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # each row's own positions, from 0
-    last = torch.full((batch, 1), width - 1, device=device)
-    out = model(ids, attention, memory=memory, use_cache=True, position_ids=positions, query_positions=last)
-    context, next_position = out.context, positions[:, -1:] + 1
+    batch, unused = len(rows), None
+    if prefix is not None and all(prefix.fits(p) for p in prompts):
+        # the fixed beginning from its cache, then each row's own tokens, right padded (rolled left below)
+        own = [p[prefix.length :] for p in prompts]
+        width = max(len(o) for o in own)
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, tokens in enumerate(own):
+            ids[i, : len(tokens)] = torch.tensor(tokens)
+            attention[i, : len(tokens)] = 1
+        ids, attention = ids.to(device), attention.to(device)
+        lengths = torch.tensor([[len(o)] for o in own], device=device)  # (B, 1)
+        positions = prefix.length + torch.arange(width, device=device).expand(batch, -1)
+        out = model(ids, attention, memory=memory, context=prefix.context(batch), use_cache=True,
+                    position_ids=positions, query_positions=prefix.length + lengths - 1)
+        unused, next_position = width - lengths, prefix.length + lengths
+    else:
+        # left-padded prompts: every row's last prompt token sits in the last column
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            attention[i, width - len(prompt):] = 1
+        ids, attention = ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # each row's own positions, from 0
+        last = torch.full((batch, 1), width - 1, device=device)
+        out = model(ids, attention, memory=memory, use_cache=True, position_ids=positions, query_positions=last)
+        next_position = positions[:, -1:] + 1
+    context = out.context
 
     for i, row in enumerate(rows):
-        step, view = _row_step(out, i), _row_memory(memory, sizes, i)
+        step, view = _row_step(out, i, -1), _row_memory(memory, sizes, i)
         if view is None:  # no passages: the first token may be the end, as in `generate`
             _choose(row, step, None, stop, max_new_tokens)
             continue
@@ -130,6 +157,8 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
         _emit(row, token, copied_source(step, token, view), step)
         row.done = len(row.tokens) >= max_new_tokens
 
+    if unused is not None:
+        context = _drop_unused(context, unused)
     live = list(range(len(rows)))  # the rows still in the batch tensors, in their order there
     while True:
         for i in live:
@@ -141,13 +170,29 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
             keep = [j for j, i in enumerate(live) if not rows[i].done]
             context, memory, next_position = _select(context, memory, next_position, keep)
             live, sizes = [live[j] for j in keep], [sizes[j] for j in keep]
-        feed = torch.tensor([[rows[i].tokens[-1]] for i in live], device=device)
-        previous = torch.tensor([[-1 if rows[i].entry is None else rows[i].entry] for i in live], device=device)
-        out = model(feed, torch.ones_like(feed), memory=memory, context=context, use_cache=True,
-                    prev_source=previous, position_ids=next_position)
-        context, next_position = out.context, next_position + 1
-        for j, i in enumerate(live):
-            _choose(rows[i], _row_step(out, j), _row_memory(memory, sizes, j), stop, max_new_tokens)
+        # each row feeds its last token, then (while copying) the entries that follow it in its passage
+        drafts = [successor_entries(rows[i].entry, rows[i].owner,
+                                    min(draft_tokens, max_new_tokens - len(rows[i].tokens))) for i in live]
+        width = 1 + max(len(d) for d in drafts)
+        feed = torch.zeros((len(live), width), dtype=torch.long)
+        fed = torch.zeros((len(live), width), dtype=torch.long)
+        previous = torch.full((len(live), width), -1, dtype=torch.long)  # the successor bias sees each source
+        for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
+            row = rows[i]
+            feed[j, : 1 + len(draft)] = torch.tensor([row.tokens[-1]] + [row.memory_ids[e] for e in draft])
+            fed[j, : 1 + len(draft)] = 1
+            previous[j, : 1 + len(draft)] = torch.tensor([-1 if row.entry is None else row.entry] + draft)
+        feed, fed, previous = feed.to(device), fed.to(device), previous.to(device)
+        out = model(feed, fed, memory=memory, context=context, use_cache=True, prev_source=previous,
+                    position_ids=next_position + torch.arange(width, device=device))
+        used = []
+        for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
+            view = _row_memory(memory, sizes, j)
+            kept = _keep_draft(rows[i], draft, out, j, view, stop)
+            _choose(rows[i], _row_step(out, j, kept), view, stop, max_new_tokens)
+            used.append(1 + kept)
+        used = torch.tensor(used, device=device).unsqueeze(1)  # (B, 1) positions each row keeps
+        context, next_position = _drop_unused(out.context, width - used), next_position + used
 
     generations = []
     for row in rows:
@@ -218,8 +263,45 @@ def _row_memory(memory: CopyMemory | None, sizes: list[int], i: int):
     return SimpleNamespace(ids=memory.ids[i : i + 1], size=memory.size)
 
 
-def _row_step(out, i: int) -> Step:
-    return Step(out.log_probs[i, -1], out.log_gate[i, -1], out.copy_log_attention[i, -1])
+def _row_step(out, i: int, position: int) -> Step:
+    return Step(out.log_probs[i, position], out.log_gate[i, position], out.copy_log_attention[i, position])
+
+
+def _keep_draft(row: _Row, draft: list[int], out, j: int, view, stop: set[int]) -> int:
+    """How many of the row's drafted entries greedy decoding would have copied, one by one: each is emitted."""
+    kept = 0
+    for drafted in draft:
+        step = _row_step(out, j, kept)
+        if not _word_goes_on(row, drafted):  # a word's continuation is copied anyway
+            guess = int(step.log_probs.argmax())
+            if guess != row.memory_ids[drafted] or guess in stop or copied_source(step, guess, view) != drafted:
+                break
+        _emit(row, row.memory_ids[drafted], drafted, step)
+        kept += 1
+    return kept
+
+
+def _drop_unused(context, unused: torch.Tensor):
+    """Each row's last `unused` (B, 1) positions (rejected drafts, padding) rolled to the front and masked.
+
+    Positions are baked into the cached keys (rotary) and passed explicitly, so a column's place only matters
+    for what is masked: the kept positions stay contiguous at the right of every row."""
+    if not bool(unused.any()):
+        return context
+    length = context.mask.shape[1]
+    columns = torch.arange(length, device=unused.device).unsqueeze(0)  # (1, T)
+    source = (columns - unused) % length  # (B, T): column t takes what stood at t - unused
+    context.keys = context.keys.gather(1, source.unsqueeze(-1).expand_as(context.keys))
+    context.ids = context.ids.gather(1, source)
+    context.mask = context.mask.gather(1, source) & (columns >= unused)
+    if context.refine is not None:
+        context.refine = context.refine.gather(1, source.unsqueeze(-1).expand_as(context.refine))
+    if context.copyable is not None:
+        context.copyable = context.copyable.gather(1, source)
+    for layer in context.cache.layers:
+        index = source[:, None, :, None].expand_as(layer.keys)  # (B, heads, T, head dim)
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+    return context
 
 
 def _word_goes_on(row: _Row, entry: int | None) -> bool:

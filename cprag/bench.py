@@ -86,7 +86,7 @@ def latency_hidden_vs_visible(index, questions: list[str], ks=(1, 5, 10), new_to
             for name, (mode, draft) in runs.items():
                 seconds, generation = _timed(lambda m=mode, d=draft, p=passages, q=question: generate(
                     index.model, index.tokenizer, q, p, m, max_new_tokens=new_tokens, stop_at_end=False,
-                    draft_tokens=d), 1)
+                    draft_tokens=d, prefix=index.prefix), 1)
                 times[name].append(seconds)
                 if mode == "visible":
                     prompt_tokens.append(generation.prompt_tokens)

@@ -137,6 +137,10 @@ def score_command(
 INDEX_OPTION = typer.Option(Path("indexes/default"), "--index", "-i", help="Index directory.")
 
 
+DTYPE_OPTION = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: CPRAG_DTYPE, else bfloat16 on "
+                            "CUDA and on CPUs with bf16 units, float32 on others; see cprag.runtime).")
+
+
 @app.command("index")
 @reports_errors
 def index_command(
@@ -146,6 +150,8 @@ def index_command(
     max_passage_tokens: int = typer.Option(384, "--max-passage-tokens", help="Split longer documents."),
     chunk: int = typer.Option(64, "--chunk", help="Passages per committed chunk (the resume granularity)."),
     checkpoint: Path = CHECKPOINT_OPTION,
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,
 ):
     """Encode a corpus into CP keys (LanceDB) and a FAISS index; reruns add only new or changed documents.
@@ -154,13 +160,18 @@ def index_command(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from cprag.checkpoint import load_model
+    from cprag.checkpoint import load_model, model_fingerprint
     from cprag.indexing import IndexConfig, build_index
     from cprag.retrieve import MiniLMEmbedder
+    from cprag.runtime import default_device, resolve_dtype
 
     config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild)
+    device = device or default_device()
+    cast = resolve_dtype(device, dtype)  # a wrong name fails before seconds of loading
     with err.status("loading the model and the retriever"):
         model, tokenizer = load_model(checkpoint)
+        fingerprint = model_fingerprint(model)  # of the stored weights, so any dtype's index opens in any other
+        model = model.to(device, cast)
         embedder = MiniLMEmbedder()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     progress = Progress(*columns, console=err, transient=as_json)
@@ -174,7 +185,7 @@ def index_command(
         progress.update(task, completed=done, total=total)
 
     try:
-        report = build_index(corpus, index, model, tokenizer, embedder, config, on_progress)
+        report = build_index(corpus, index, model, tokenizer, embedder, config, on_progress, fingerprint)
     finally:
         progress.stop()
     for skipped in report.skipped:
@@ -184,7 +195,7 @@ def index_command(
         "encoded": report.encoded, "unchanged": report.unchanged, "removed": report.removed,
         "skipped": [vars(s) for s in report.skipped], "tokens_encoded": report.tokens_encoded,
         "encode_tokens_per_second": round(report.encode_tokens_per_second, 1), "seconds": round(report.seconds, 2),
-        "bytes_per_token": report.manifest["bytes_per_token"],
+        "bytes_per_token": report.manifest["bytes_per_token"], "dtype": report.manifest["encode_dtype"],
     }
     if as_json:
         emit_json(summary)
@@ -197,8 +208,6 @@ def index_command(
 EVAL_BATCH_OPTION = typer.Option(1, "--batch-size", help="Hidden-mode questions decoded per backbone pass (with "
                                  "--oracle; the same answers, and latency becomes each question's share of its "
                                  "batch).")
-DTYPE_OPTION = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: CPRAG_DTYPE, else bfloat16 on "
-                            "CUDA and on CPUs with bf16 units, float32 on others; see cprag.runtime).")
 START_BEAM_OPTION = typer.Option(None, "--start-beam", help="Decode from this many most probable first tokens and "
                                   "answer with the one the checkpoint's start reranker picks (the likeliest without "
                                   "one); 4: +1.7 F1 on SQuAD dev at 2.4x the decode time (default: 1, greedy).")
@@ -667,7 +676,7 @@ def eval_bench_command(
         warm_vs_cold,
         write_bench_report,
     )
-    from cprag.checkpoint import load_model
+    from cprag.checkpoint import load_model, model_fingerprint
     from cprag.corpus import read_corpus
     from cprag.errors import ConfigError
     from cprag.indexing import IndexConfig, build_index
@@ -683,6 +692,7 @@ def eval_bench_command(
         raise ConfigError("--device", device, "this machine has no CUDA device")
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
+        fingerprint = model_fingerprint(model)  # of the stored weights: an --index built in another dtype opens
         model = model.to(device, resolve_dtype(device, dtype))
     with tempfile.TemporaryDirectory() as scratch:
         chosen = read_corpus(corpus).documents
@@ -696,8 +706,8 @@ def eval_bench_command(
             with err.status("indexing the corpus"):
                 passage_tokens = min(384, model.config.max_position_embeddings // 2)
                 build_index(corpus, index, model, tokenizer, MiniLMEmbedder(),
-                            IndexConfig(max_passage_tokens=passage_tokens, rebuild=True))
-        opened = Index(index, model=model, tokenizer=tokenizer, device=device)
+                            IndexConfig(max_passage_tokens=passage_tokens, rebuild=True), fingerprint=fingerprint)
+        opened = Index(index, model=model, tokenizer=tokenizer, device=device, fingerprint=fingerprint)
         asked = [f"What is said about {d.title or d.id}?" for d in chosen][:questions]
         figures = {}
         with err.status("memory and throughput"):

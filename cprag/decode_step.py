@@ -104,3 +104,11 @@ def copied_source(step: Step, token: int, memory: CopyMemory | None) -> int | No
     if copied - total < LOG_HALF:
         return None
     return int(masked.argmax())
+
+
+def successor_entries(entry: int | None, owner: torch.Tensor | None, count: int) -> list[int]:
+    """Entries entry+1 .. entry+count that belong to the same passage (nothing for a generated token)."""
+    if entry is None or count <= 0:
+        return []
+    last = min(entry + count, len(owner) - 1)
+    return [e for e in range(entry + 1, last + 1) if owner[e] == owner[entry]]

@@ -19,6 +19,7 @@ from cprag.decode_step import (
     first_token_confidence,
     shared_memory,
     step_entry_ids,
+    successor_entries,
     without_stops,
 )
 from cprag.errors import QuestionTooLong
@@ -33,6 +34,7 @@ from cprag.lexical import (
 )
 from cprag.model import CopyMemory
 from cprag.prompt import end_of_turn_id, prompt_ids, visible_prompt_layout
+from cprag.prompt_prefix import PromptPrefix
 from cprag.rerank import SpanCandidate, StartReranker
 
 MODES = ("hidden", "visible", "closed")
@@ -102,6 +104,7 @@ def generate(
     start_beam: int = 1,
     length_penalty: float = 0.0,
     reranker: StartReranker | None = None,
+    prefix: PromptPrefix | None = None,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
 
@@ -128,6 +131,9 @@ def generate(
     A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
     and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
     the same token from the same entry, so the answer is exactly the plain greedy one, in fewer passes.
+
+    `prefix` (`cprag.prompt_prefix`), computed once for this model, spares the prompt pass the fixed beginning
+    every hidden and closed-book prompt shares; the answer is the same.
     """
     if choose not in ("entry", "token"):
         raise ValueError(f"choose must be 'entry' or 'token', not {choose!r}")
@@ -144,7 +150,9 @@ def generate(
         raise QuestionTooLong(len(prompt) + max_new_tokens, window)
     device = next(model.parameters()).device
     prompt_tensor = torch.tensor([prompt], device=device)
-    hidden, features, cache = model.encode_hidden(prompt_tensor, torch.ones_like(prompt_tensor), use_cache=True)
+    from_prefix = prefix is not None and mode != "visible" and prefix.fits(prompt)
+    if not from_prefix:  # a visible prompt's memory needs its passages' features: the whole prompt is run
+        hidden, features, cache = model.encode_hidden(prompt_tensor, torch.ones_like(prompt_tensor), use_cache=True)
     memory, owner, position = None, None, None
     if mode == "hidden":
         memory, owner, position = shared_memory(passages)
@@ -164,9 +172,14 @@ def generate(
         copyable = torch.ones_like(prompt_tensor, dtype=torch.bool)
         for start, kept in spans:
             copyable[0, start - 1 : start + kept] = False
-    out = model.forward_hidden(hidden, prompt_tensor, torch.ones_like(prompt_tensor), memory, cp_features=features,
-                               query_positions=last, copyable=copyable)
-    out.context.cache = cache
+    if from_prefix:  # the fixed beginning's cache and keys, then only the question's own tokens
+        own = prompt_tensor[:, prefix.length :]
+        out = model(own, memory=memory, context=prefix.context(), use_cache=True, query_positions=last,
+                    position_ids=torch.arange(prefix.length, len(prompt), device=device).unsqueeze(0))
+    else:
+        out = model.forward_hidden(hidden, prompt_tensor, torch.ones_like(prompt_tensor), memory,
+                                   cp_features=features, query_positions=last, copyable=copyable)
+        out.context.cache = cache
     step, context = Step.at(out, -1), out.context
 
     def pick(step: Step, context, offset: int = 0) -> tuple[int, int | None]:
@@ -225,7 +238,7 @@ def generate(
             emit(token, entry, step)
             if len(tokens) == max_new_tokens:
                 break
-            draft = _successors(entry, owner, min(draft_tokens, max_new_tokens - len(tokens)))
+            draft = successor_entries(entry, owner, min(draft_tokens, max_new_tokens - len(tokens)))
             feed = [token] + [int(memory.ids[0, e]) for e in draft]
             previous = [-1 if entry is None else entry] + draft  # the successor bias sees each token's source
             out = model(torch.tensor([feed], device=device), memory=memory, context=context, use_cache=True,
@@ -291,14 +304,6 @@ def _span_candidates(alternatives: list[Alternative], memory: CopyMemory, owner:
             None if last is None or prior is None else prior[last].tolist(),
             None if first is None else int(owner[first])))
     return candidates
-
-
-def _successors(entry: int | None, owner: torch.Tensor | None, count: int) -> list[int]:
-    """Entries entry+1 .. entry+count that belong to the same passage (nothing for a generated token)."""
-    if entry is None or count <= 0:
-        return []
-    last = min(entry + count, len(owner) - 1)
-    return [e for e in range(entry + 1, last + 1) if owner[e] == owner[entry]]
 
 
 def _rewind(context, drop: int):

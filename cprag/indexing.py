@@ -77,12 +77,14 @@ def build_index(
     embedder,
     config: IndexConfig | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
+    fingerprint: str | None = None,
 ) -> IndexReport:
     """Index a corpus into `index_dir`, adding only new or changed documents (upsert by id).
 
     `on_progress(stage, done, total)` reports progress. An interrupted run keeps every committed chunk; the next
     run picks up where it stopped. A second writer on the same directory is refused (`IndexLocked`), and the model
-    fingerprint is checked under the lock, both before anything is written.
+    fingerprint is checked under the lock, both before anything is written. Pass `fingerprint` when `model` was cast
+    from its stored weights (bf16 encoding): an index belongs to the checkpoint, whatever dtype encoded it.
     """
     config = config or IndexConfig()
     started = time.perf_counter()
@@ -90,7 +92,7 @@ def build_index(
     window = model.config.max_position_embeddings
     if config.max_passage_tokens >= window:
         raise ConfigError("--max-passage-tokens", config.max_passage_tokens, f"must be below the window ({window})")
-    fingerprint = model_fingerprint(model)
+    fingerprint = fingerprint or model_fingerprint(model)
     documents_read = read_corpus(corpus)  # raises before anything stored is touched
     if not documents_read.documents:
         raise CorpusError(str(corpus), f"no readable documents ({len(documents_read.skipped)} skipped)")
@@ -208,6 +210,7 @@ def _manifest(model, fingerprint: str, embedder, config: IndexConfig, index_dir:
         "base_model": model.config.base_model,
         "key_dim": model.config.key_dim,
         "key_dtype": "float16",
+        "encode_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "token_id_dtype": "int32",
         "retriever": embedder.describe(),
         "max_passage_tokens": config.max_passage_tokens,

@@ -15,6 +15,7 @@ from cprag.cache import DevicePassage
 from cprag.encode import PassageKeys, encode_passages, tokenize_passage
 from cprag.generate import generate
 from cprag.metrics import squad2_question_scores
+from cprag.prompt_prefix import prompt_prefix
 from cprag.squad import QAExample, article_of
 from cprag.store import StoredPassage
 
@@ -81,6 +82,7 @@ def evaluate_oracle(
     `batch_size` > 1, hidden-mode questions are decoded that many per backbone pass (the same answers; each
     question's latency is then its share of its batch's time)."""
     memory = OracleMemory(model, tokenizer, passages)
+    prefix = prompt_prefix(model, tokenizer)
     all_ids = sorted(passages)
     rng = random.Random(seed)
     chosen = [oracle_passage_ids(example, all_ids, distractors, rng) for example in examples]  # the seeded draws
@@ -95,7 +97,7 @@ def evaluate_oracle(
                 tick = time.perf_counter()
                 generations = generate_batch(model, tokenizer, [examples[i].question for i in group],
                                              [shards[i] for i in group], max_new_tokens,
-                                             min_confidence=min_confidence)
+                                             min_confidence=min_confidence, prefix=prefix)
                 share = (time.perf_counter() - tick) * 1000 / len(group)
                 by_mode[mode] = [(g, share) for g in generations]
                 continue
@@ -104,7 +106,8 @@ def evaluate_oracle(
                 tick = time.perf_counter()
                 generation = generate(model, tokenizer, examples[i].question,
                                       shards[i] if mode != "closed" else [], mode, max_new_tokens, choose=choose,
-                                      min_confidence=min_confidence, start_beam=start_beam, reranker=reranker)
+                                      min_confidence=min_confidence, start_beam=start_beam, reranker=reranker,
+                                      prefix=prefix)
                 by_mode[mode].append((generation, (time.perf_counter() - tick) * 1000))
         for position, i in enumerate(group):
             example = examples[i]

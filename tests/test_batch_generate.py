@@ -8,6 +8,8 @@ from tiny_models import DOCS, tiny_checkpoint, write_jsonl
 from cprag.api import Index
 from cprag.batch_generate import batch_supported, generate_batch
 from cprag.generate import generate
+from cprag.prompt import SYSTEM, prompt_ids
+from cprag.prompt_prefix import prompt_prefix
 
 QUESTIONS = ["When was the lighthouse built?", "Who designed the glass bridge?", "Where do the geese go?",
              "What rings every hour?", "When does the night ferry leave?", "Which bell?",
@@ -56,6 +58,51 @@ def test_a_batch_answers_exactly_as_one_question_at_a_time(index):
     for generation in batched:
         if generation.alternatives:  # per-token log-probs, as the single decoder records them
             assert len(generation.alternatives[0].token_log_probs) == len(generation.token_ids)
+
+
+def test_rows_draft_their_copied_spans_and_keep_exactly_the_greedy_answer(index, request):
+    memories = [shards(index, q, 1 + i % 3) for i, q in enumerate(QUESTIONS)]
+
+    def decode(rows, draft):
+        passes = []
+        hook = index.model.register_forward_hook(lambda *_: passes.append(1))
+        try:
+            got = generate_batch(index.model, index.tokenizer, [QUESTIONS[i] for i in rows],
+                                 [memories[i] for i in rows], 16, draft_tokens=draft)
+        finally:
+            hook.remove()
+        return got, len(passes)
+
+    everyone = range(len(QUESTIONS))
+    (plain, _), (drafted, _) = decode(everyone, 0), decode(everyone, 8)
+    for undrafted, generation in zip(plain, drafted, strict=True):  # drafts, rejections, padding change nothing
+        same(undrafted, generation)
+    # a batch lasts as long as its longest answer: among answers copied whole, drafting takes fewer passes
+    copying = [i for i in everyone if plain[i].sources and all(s is not None for s in plain[i].sources)]
+    if "copying" in request.node.name or "lexical" in request.node.name:
+        assert sum(len(plain[i].token_ids) for i in copying) > 2 * len(copying) > 0
+        (_, slow), (_, fast) = decode(copying, 0), decode(copying, 8)
+        assert fast < slow, (fast, slow)
+
+
+def test_the_prompts_fixed_beginning_run_once_changes_no_answer(index):
+    prefix = prompt_prefix(index.model, index.tokenizer)
+    prompts = [prompt_ids(index.tokenizer, q) for q in QUESTIONS]
+    assert prefix is not None and prefix.length >= 5 and all(prefix.fits(p) for p in prompts)
+    assert SYSTEM in index.tokenizer.decode(prefix.ids)  # the whole system turn, run once
+    memories = [shards(index, q, 1 + i % 3) if i != 5 else [] for i, q in enumerate(QUESTIONS)]
+    for question, memory in zip(QUESTIONS, memories, strict=True):
+        mode = "hidden" if memory else "closed"
+        plain = generate(index.model, index.tokenizer, question, memory, mode, 12)
+        same(plain, generate(index.model, index.tokenizer, question, memory, mode, 12, prefix=prefix))
+        beamed = [generate(index.model, index.tokenizer, question, memory, mode, 12, start_beam=3, prefix=f)
+                  for f in (None, prefix)]
+        same(*beamed)
+    plain = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12)
+    for a, b in zip(plain, generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12, prefix=prefix),
+                    strict=True):
+        same(a, b)
+    assert index.prefix is not None and index.prefix.ids == prefix.ids  # what Index.ask_many hands down
 
 
 def test_abstention_and_the_token_limit_hold_per_question_in_a_batch(index):

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import DOCS, tiny_checkpoint, tiny_tokenizer, write_jsonl, write_tiny_gguf  # noqa: F401
@@ -213,6 +214,30 @@ def test_a_checkpoint_that_differs_only_in_its_adapters_is_another_model(tmp_pat
     assert model_fingerprint(again) != model_fingerprint(model)
     ids = torch.tensor([[5, 6, 7, 8]])
     assert not torch.allclose(again.document_keys(ids).keys, model.document_keys(ids).keys)
+
+
+def test_a_bf16_encoded_index_belongs_to_the_checkpoint_and_opens_in_fp32(tmp_path, checkpoint, embedder):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    index_corpus(corpus, tmp_path / "fp32", checkpoint, embedder)
+    result = CliRunner().invoke(app, ["index", str(corpus), "--index", str(tmp_path / "bf16"), "--checkpoint",
+                                      str(checkpoint), "--dtype", "bfloat16", "--max-passage-tokens", "120",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["dtype"] == "bfloat16"
+    manifest = json.loads((tmp_path / "bf16" / "manifest.json").read_text())
+    reference = json.loads((tmp_path / "fp32" / "manifest.json").read_text())
+    assert manifest["encode_dtype"] == "bfloat16" and reference["encode_dtype"] == "float32"
+    assert manifest["model_fingerprint"] == reference["model_fingerprint"]  # the stored weights', not the cast's
+    opened = Index(tmp_path / "bf16", checkpoint=checkpoint, dtype="float32")
+    assert opened.ask("When did the bridge open?", k=2).passages
+    low, full = stored_rows(tmp_path / "bf16"), stored_rows(tmp_path / "fp32")
+    assert [r["token_ids"] for r in low] == [r["token_ids"] for r in full]
+    low_keys, full_keys = (torch.from_numpy(np.frombuffer(b"".join(r["keys"] for r in rows), dtype=np.float16)
+                                            .astype(np.float32)) for rows in (low, full))
+    assert not torch.equal(low_keys, full_keys)  # really encoded in bf16, and close to fp32
+    assert torch.nn.functional.cosine_similarity(low_keys, full_keys, dim=0) > 0.99
+    bad = CliRunner().invoke(app, ["index", str(corpus), "--index", str(tmp_path / "x"), "--dtype", "fp8"])
+    assert bad.exit_code != 0 and "--dtype" in bad.output and not (tmp_path / "x").exists()
 
 
 def test_no_answer_is_said_plainly_with_the_passages_read(tmp_path, checkpoint, embedder):
