@@ -154,15 +154,16 @@ class Index:
                 pending.append((number, passages, read, timings))
         streaming = on_token is not None or cancelled is not None
         batched = (batch_size > 1 or streaming) and start_beam == 1 and batch_supported(self.model, mode)
-        step = batch_size if batched else 1
-        for first in range(0, len(pending), step):
+        # batched: one continuous batch of at most batch_size rows, refilled as answers finish
+        step = len(pending) if batched else 1
+        for first in range(0, len(pending), max(step, 1)):
             group = pending[first : first + step]
             tick = time.perf_counter()
             if batched:
                 numbers = [n for n, *_ in group]
                 generations = generate_batch(
                     self.model, self.tokenizer, [questions[n] for n in numbers], [p for _, p, *_ in group],
-                    max_new_tokens, min_confidence=threshold, prefix=self.prefix,
+                    max_new_tokens, min_confidence=threshold, prefix=self.prefix, max_rows=batch_size,
                     on_token=None if on_token is None else
                     lambda row, token, source, numbers=numbers: on_token(numbers[row], token, source),
                     cancelled=None if cancelled is None else lambda row, numbers=numbers: cancelled(numbers[row]))
@@ -171,7 +172,7 @@ class Index:
                                         min_confidence=threshold, start_beam=start_beam, reranker=self.reranker,
                                         prefix=self.prefix)
                                for n, p, *_ in group]
-            generate_ms = (time.perf_counter() - tick) * 1000 / len(group)  # a batch's time, shared evenly
+            generate_ms = (time.perf_counter() - tick) * 1000 / len(group)  # the batch's time, shared evenly
             for (number, _, read, timings), generation in zip(group, generations, strict=True):
                 timings["generate"] = generate_ms
                 timings["total"] = sum(timings.values())

@@ -40,7 +40,7 @@ from cprag.generate import (
     without_stops,
 )
 from cprag.lexical import inside_word
-from cprag.model import CopyMemory
+from cprag.model import ContextState, CopyMemory
 from cprag.prompt import end_of_turn_id, prompt_ids
 from cprag.prompt_prefix import PromptPrefix
 
@@ -79,13 +79,17 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
                    max_new_tokens: int = 32, whole_words: bool = True, min_confidence: float = 0.0,
                    mode: str = "hidden", on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
                    cancelled: Callable[[int], bool] | None = None, draft_tokens: int = 8,
-                   prefix: PromptPrefix | None = None) -> list[Generation]:
+                   prefix: PromptPrefix | None = None, max_rows: int | None = None) -> list[Generation]:
     """Greedy answers to `questions`, question i from `passages[i]`, decoded together: the same answers,
     sources, confidences and citations as `generate` gives each question alone.
 
     `on_token(i, token, source)` hears each token of question i as it is chosen (source: (passage index,
     position) when copied), for streaming; question i stops decoding once `cancelled(i)` is true (a client that
-    went away), and its generation is what it had by then. `prefix`: see `cprag.generate.generate`."""
+    went away), and its generation is what it had by then. `prefix`: see `cprag.generate.generate`.
+
+    `max_rows` caps the rows decoded together (default: all the questions at once). With a cap, the batch is
+    continuous: whenever half its rows have finished, the next questions' prompts are run and join it, so a
+    long answer does not hold back the questions after it."""
     if len(questions) != len(passages):
         raise ValueError(f"{len(questions)} questions but {len(passages)} passage lists")
     if not batch_supported(model, mode) or (len(questions) == 1 and on_token is None and cancelled is None):
@@ -105,94 +109,29 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
         memory_ids = [] if memory is None else memory.ids[0].tolist()
         rows.append(_Row(len(rows), prompt, shards, owner, position, continues, memory_ids, [], [], [], [],
                          on_token=on_token))
-    memory, sizes = _batch_memory(model, tokenizer, questions, passages, rows, device)
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
-
-    batch, unused = len(rows), None
-    if prefix is not None and all(prefix.fits(p) for p in prompts):
-        # the fixed beginning from its cache, then each row's own tokens, right padded (rolled left below)
-        own = [p[prefix.length :] for p in prompts]
-        width = max(len(o) for o in own)
-        ids = torch.zeros((batch, width), dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, tokens in enumerate(own):
-            ids[i, : len(tokens)] = torch.tensor(tokens)
-            attention[i, : len(tokens)] = 1
-        ids, attention = ids.to(device), attention.to(device)
-        lengths = torch.tensor([[len(o)] for o in own], device=device)  # (B, 1)
-        positions = prefix.length + torch.arange(width, device=device).expand(batch, -1)
-        out = model(ids, attention, memory=memory, context=prefix.context(batch), use_cache=True,
-                    position_ids=positions, query_positions=prefix.length + lengths - 1)
-        unused, next_position = width - lengths, prefix.length + lengths
-    else:
-        # left-padded prompts: every row's last prompt token sits in the last column
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((batch, width), dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
-            attention[i, width - len(prompt):] = 1
-        ids, attention = ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # each row's own positions, from 0
-        last = torch.full((batch, 1), width - 1, device=device)
-        out = model(ids, attention, memory=memory, use_cache=True, position_ids=positions, query_positions=last)
-        next_position = positions[:, -1:] + 1
-    context = out.context
-
-    for i, row in enumerate(rows):
-        step, view = _row_step(out, i, -1), _row_memory(memory, sizes, i)
-        if view is None:  # no passages: the first token may be the end, as in `generate`
-            _choose(row, step, None, stop, max_new_tokens)
-            continue
-        # an answer from the passages, or none at all: never an empty one
-        row.stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
-        entry_ids = step_entry_ids(model, view, SimpleNamespace(ids=context.ids[i : i + 1]),
-                               step.copy_log_attention.shape[0])
-        step = without_stops(step, stop, entry_ids)
-        token = int(step.log_probs.argmax())
-        row.confidence = first_token_confidence(step, view, token)
-        if row.confidence < min_confidence:
-            row.no_answer = row.done = True
-            continue
-        _emit(row, token, copied_source(step, token, view), step)
-        row.done = len(row.tokens) >= max_new_tokens
-
-    if unused is not None:
-        context = _drop_unused(context, unused)
-    live = list(range(len(rows)))  # the rows still in the batch tensors, in their order there
+    setup = SimpleNamespace(model=model, tokenizer=tokenizer, questions=questions, rows=rows, prefix=prefix,
+                            device=device, stop=stop, min_confidence=min_confidence, max_new_tokens=max_new_tokens)
+    max_rows = len(rows) if max_rows is None else max_rows
+    waiting, running = list(range(len(rows))), None  # questions not yet started; the batch being decoded
     while True:
-        for i in live:
-            if not rows[i].done and cancelled is not None and cancelled(i):
-                rows[i].done = True
-        if all(rows[i].done for i in live):
+        if running is not None:
+            for i in running.live:
+                if not rows[i].done and cancelled is not None and cancelled(i):
+                    rows[i].done = True
+            keep = [j for j, i in enumerate(running.live) if not rows[i].done]
+            # finished rows leave the batch: later steps cost only what is left
+            running = None if not keep else running if len(keep) == len(running.live) else running.select(keep)
+        if waiting and (running is None or len(running.live) <= max_rows // 2):
+            # half the rows are free: the next questions' prompts are run and join the batch
+            room = max_rows - (0 if running is None else len(running.live))
+            started = _start(setup, waiting[:room])
+            waiting = waiting[room:]
+            running = started if running is None else running.joined(started)
+            continue  # rows that ended at their first token leave before the next step
+        if running is None:
             break
-        if any(rows[i].done for i in live):  # finished rows leave the batch: later steps cost only what is left
-            keep = [j for j, i in enumerate(live) if not rows[i].done]
-            context, memory, next_position = _select(context, memory, next_position, keep)
-            live, sizes = [live[j] for j in keep], [sizes[j] for j in keep]
-        # each row feeds its last token, then (while copying) the entries that follow it in its passage
-        drafts = [successor_entries(rows[i].entry, rows[i].owner,
-                                    min(draft_tokens, max_new_tokens - len(rows[i].tokens))) for i in live]
-        width = 1 + max(len(d) for d in drafts)
-        feed = torch.zeros((len(live), width), dtype=torch.long)
-        fed = torch.zeros((len(live), width), dtype=torch.long)
-        previous = torch.full((len(live), width), -1, dtype=torch.long)  # the successor bias sees each source
-        for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
-            row = rows[i]
-            feed[j, : 1 + len(draft)] = torch.tensor([row.tokens[-1]] + [row.memory_ids[e] for e in draft])
-            fed[j, : 1 + len(draft)] = 1
-            previous[j, : 1 + len(draft)] = torch.tensor([-1 if row.entry is None else row.entry] + draft)
-        feed, fed, previous = feed.to(device), fed.to(device), previous.to(device)
-        out = model(feed, fed, memory=memory, context=context, use_cache=True, prev_source=previous,
-                    position_ids=next_position + torch.arange(width, device=device))
-        used = []
-        for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
-            view = _row_memory(memory, sizes, j)
-            kept = _keep_draft(rows[i], draft, out, j, view, stop)
-            _choose(rows[i], _row_step(out, j, kept), view, stop, max_new_tokens)
-            used.append(1 + kept)
-        used = torch.tensor(used, device=device).unsqueeze(1)  # (B, 1) positions each row keeps
-        context, next_position = _drop_unused(out.context, width - used), next_position + used
+        _step(setup, running, draft_tokens)
 
     generations = []
     for row in rows:
@@ -208,6 +147,157 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
         generation.citations = citations(generation, row.passages) if row.passages else []
         generations.append(generation)
     return generations
+
+
+@dataclass
+class _Running:
+    """The rows being decoded together: their running context, memory, next positions and question numbers.
+    Every row's kept positions sit contiguous at the right of its context (masked columns to their left)."""
+
+    context: ContextState
+    memory: CopyMemory | None
+    sizes: list[int]  # each row's memory entries (the rest of the padded memory is masked)
+    next_position: torch.Tensor  # (B, 1)
+    live: list[int]  # the question each row decodes
+
+    def select(self, keep: list[int]) -> _Running:
+        """Only the rows `keep` (their order kept)."""
+        context, memory, next_position = _select(self.context, self.memory, self.next_position, keep)
+        return _Running(context, memory, [self.sizes[j] for j in keep], next_position, [self.live[j] for j in keep])
+
+    def joined(self, other: _Running) -> _Running:
+        """This batch's rows, then `other`'s: contexts left padded (masked) to one width, memories right padded."""
+        width = max(self.context.length, other.context.length)
+        a, b = _left_padded(self.context, width), _left_padded(other.context, width)
+        context = ContextState(keys=torch.cat([a.keys, b.keys]), ids=torch.cat([a.ids, b.ids]),
+                               mask=torch.cat([a.mask, b.mask]), cache=a.cache)
+        for layer, extra in zip(a.cache.layers, b.cache.layers, strict=True):
+            layer.keys, layer.values = torch.cat([layer.keys, extra.keys]), torch.cat([layer.values, extra.values])
+        memory = _joined_memory(self.memory, other.memory, len(self.live), len(other.live))
+        return _Running(context, memory, self.sizes + other.sizes,
+                        torch.cat([self.next_position, other.next_position]), self.live + other.live)
+
+
+def _start(setup, numbers: list[int]) -> _Running:
+    """Run the prompts of questions `numbers` (one pass) and choose each one's first token."""
+    rows, device, prefix = [setup.rows[n] for n in numbers], setup.device, setup.prefix
+    memory, sizes = _batch_memory(setup.model, setup.tokenizer, [setup.questions[n] for n in numbers],
+                                  [row.passages for row in rows], rows, device)
+    batch, unused = len(rows), None
+    if prefix is not None and all(prefix.fits(row.prompt) for row in rows):
+        # the fixed beginning from its cache, then each row's own tokens, right padded (rolled left below)
+        own = [row.prompt[prefix.length :] for row in rows]
+        width = max(len(o) for o in own)
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, tokens in enumerate(own):
+            ids[i, : len(tokens)] = torch.tensor(tokens)
+            attention[i, : len(tokens)] = 1
+        ids, attention = ids.to(device), attention.to(device)
+        lengths = torch.tensor([[len(o)] for o in own], device=device)  # (B, 1)
+        positions = prefix.length + torch.arange(width, device=device).expand(batch, -1)
+        out = setup.model(ids, attention, memory=memory, context=prefix.context(batch), use_cache=True,
+                          position_ids=positions, query_positions=prefix.length + lengths - 1)
+        unused, next_position = width - lengths, prefix.length + lengths
+    else:
+        # left-padded prompts: every row's last prompt token sits in the last column
+        width = max(len(row.prompt) for row in rows)
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row.prompt):] = torch.tensor(row.prompt)
+            attention[i, width - len(row.prompt):] = 1
+        ids, attention = ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # each row's own positions, from 0
+        last = torch.full((batch, 1), width - 1, device=device)
+        out = setup.model(ids, attention, memory=memory, use_cache=True, position_ids=positions,
+                          query_positions=last)
+        next_position = positions[:, -1:] + 1
+    stop, max_new_tokens = setup.stop, setup.max_new_tokens
+    for i, row in enumerate(rows):
+        step, view = _row_step(out, i, -1), _row_memory(memory, sizes, i)
+        if view is None:  # no passages: the first token may be the end, as in `generate`
+            _choose(row, step, None, stop, max_new_tokens)
+            continue
+        # an answer from the passages, or none at all: never an empty one
+        row.stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
+        entry_ids = step_entry_ids(setup.model, view, SimpleNamespace(ids=out.context.ids[i : i + 1]),
+                                   step.copy_log_attention.shape[0])
+        step = without_stops(step, stop, entry_ids)
+        token = int(step.log_probs.argmax())
+        row.confidence = first_token_confidence(step, view, token)
+        if row.confidence < setup.min_confidence:
+            row.no_answer = row.done = True
+            continue
+        _emit(row, token, copied_source(step, token, view), step)
+        row.done = len(row.tokens) >= max_new_tokens
+    context = out.context if unused is None else _drop_unused(out.context, unused)
+    return _Running(context, memory, sizes, next_position, list(numbers))
+
+
+def _step(setup, running: _Running, draft_tokens: int) -> None:
+    """One pass for every row of `running`: its last token, then (while copying) the entries that follow it in
+    its passage, checked against greedy choices; `running` moves on by what each row kept."""
+    rows, device, max_new_tokens = setup.rows, setup.device, setup.max_new_tokens
+    live = running.live
+    drafts = [successor_entries(rows[i].entry, rows[i].owner,
+                                min(draft_tokens, max_new_tokens - len(rows[i].tokens))) for i in live]
+    width = 1 + max(len(d) for d in drafts)
+    feed = torch.zeros((len(live), width), dtype=torch.long)
+    fed = torch.zeros((len(live), width), dtype=torch.long)
+    previous = torch.full((len(live), width), -1, dtype=torch.long)  # the successor bias sees each source
+    for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
+        row = rows[i]
+        feed[j, : 1 + len(draft)] = torch.tensor([row.tokens[-1]] + [row.memory_ids[e] for e in draft])
+        fed[j, : 1 + len(draft)] = 1
+        previous[j, : 1 + len(draft)] = torch.tensor([-1 if row.entry is None else row.entry] + draft)
+    feed, fed, previous = feed.to(device), fed.to(device), previous.to(device)
+    out = setup.model(feed, fed, memory=running.memory, context=running.context, use_cache=True,
+                      prev_source=previous, position_ids=running.next_position + torch.arange(width, device=device))
+    used = []
+    for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
+        view = _row_memory(running.memory, running.sizes, j)
+        kept = _keep_draft(rows[i], draft, out, j, view, setup.stop)
+        _choose(rows[i], _row_step(out, j, kept), view, setup.stop, max_new_tokens)
+        used.append(1 + kept)
+    used = torch.tensor(used, device=device).unsqueeze(1)  # (B, 1) positions each row keeps
+    running.context, running.next_position = _drop_unused(out.context, width - used), running.next_position + used
+
+
+def _left_padded(context: ContextState, width: int) -> ContextState:
+    """The context with masked columns added on the left up to `width` (its cache padded the same way)."""
+    extra = width - context.length
+    if extra == 0:
+        return context
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.new_zeros((t.shape[0], extra, *t.shape[2:])), t], dim=1)
+
+    for layer in context.cache.layers:  # (B, heads, T, head dim)
+        zeros = layer.keys.new_zeros((layer.keys.shape[0], layer.keys.shape[1], extra, layer.keys.shape[3]))
+        layer.keys, layer.values = torch.cat([zeros, layer.keys], 2), torch.cat([zeros, layer.values], 2)
+    return ContextState(keys=pad(context.keys), ids=pad(context.ids), mask=pad(context.mask), cache=context.cache)
+
+
+def _joined_memory(a: CopyMemory | None, b: CopyMemory | None, rows_a: int, rows_b: int) -> CopyMemory | None:
+    """Two batches' memories (of `rows_a` and `rows_b` rows), one after the other, right padded (masked) to the
+    larger size."""
+    if a is None and b is None:
+        return None
+    like = a if a is not None else b
+    size = max(m.size for m in (a, b) if m is not None)
+
+    def padded(memory: CopyMemory | None, batch: int, field: str):
+        value = getattr(like, field)
+        if value is None:
+            return None
+        if memory is None:  # rows without passages: every entry masked
+            return value.new_zeros((batch, size, *value.shape[2:]))
+        value = getattr(memory, field)
+        return torch.cat([value, value.new_zeros((value.shape[0], size - value.shape[1], *value.shape[2:]))], 1)
+
+    fields = {f: torch.cat([padded(a, rows_a, f), padded(b, rows_b, f)])
+              for f in ("keys", "ids", "mask", "prior", "end_allowed") if getattr(like, f) is not None}
+    return CopyMemory(**fields)
 
 
 def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], device

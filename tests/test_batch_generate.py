@@ -55,6 +55,13 @@ def test_a_batch_answers_exactly_as_one_question_at_a_time(index):
     assert len(batched) == len(QUESTIONS)
     for single, generation in zip(singles, batched, strict=True):
         same(single, generation)
+    prefix = prompt_prefix(index.model, index.tokenizer)
+    for max_rows in (2, 3):  # a continuous batch: questions join as others finish, with and without the prefix
+        for given in (None, prefix):
+            joined = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12, max_rows=max_rows,
+                                    prefix=given)
+            for single, generation in zip(singles, joined, strict=True):
+                same(single, generation)
     for generation in batched:
         if generation.alternatives:  # per-token log-probs, as the single decoder records them
             assert len(generation.alternatives[0].token_log_probs) == len(generation.token_ids)
