@@ -149,6 +149,8 @@ def index_command(
     rebuild: bool = typer.Option(False, "--rebuild", help="Discard the existing index and start over."),
     max_passage_tokens: int = typer.Option(384, "--max-passage-tokens", help="Split longer documents."),
     chunk: int = typer.Option(64, "--chunk", help="Passages per committed chunk (the resume granularity)."),
+    keys: str = typer.Option("fp16", "--keys", help="How keys are stored: fp16 (132 B per token with its id) or "
+                             "int8 with a scale per key (70 B); changing it needs --rebuild."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: str = DTYPE_OPTION,
@@ -157,6 +159,7 @@ def index_command(
     """Encode a corpus into CP keys (LanceDB) and a FAISS index; reruns add only new or changed documents.
 
     Example: cprag index examples/corpus.jsonl --index indexes/demo
+    Example: cprag index corpus.jsonl --index indexes/small --keys int8   # 70 B per stored token
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -165,7 +168,8 @@ def index_command(
     from cprag.retrieve import MiniLMEmbedder
     from cprag.runtime import default_device, resolve_dtype
 
-    config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild)
+    config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild,
+                         key_codec=keys)
     device = device or default_device()
     cast = resolve_dtype(device, dtype)  # a wrong name fails before seconds of loading
     with err.status("loading the model and the retriever"):
@@ -196,6 +200,7 @@ def index_command(
         "skipped": [vars(s) for s in report.skipped], "tokens_encoded": report.tokens_encoded,
         "encode_tokens_per_second": round(report.encode_tokens_per_second, 1), "seconds": round(report.seconds, 2),
         "bytes_per_token": report.manifest["bytes_per_token"], "dtype": report.manifest["encode_dtype"],
+        "keys": report.manifest["key_dtype"],
     }
     if as_json:
         emit_json(summary)
@@ -542,6 +547,8 @@ def eval_squad_command(
     min_confidence: float = MIN_CONFIDENCE_EVAL,
     start_beam: int = START_BEAM_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
+    keys: str = typer.Option("fp16", "--keys", help="With --oracle: answer from the keys as an index storing them "
+                             "this way (fp16 or int8, as cprag index --keys) gives them back."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -561,7 +568,7 @@ def eval_squad_command(
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
                              start_beam=START_BEAM if start_beam is None else start_beam, batch_size=batch_size,
-                             articles=tuple(held_out_articles(checkpoint)) if held_out else None)
+                             articles=tuple(held_out_articles(checkpoint)) if held_out else None, key_codec=keys)
     with err.status("loading the model"):
         if index is not None:
             from cprag.api import Index

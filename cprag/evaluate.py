@@ -14,6 +14,7 @@ import numpy as np
 
 from cprag.errors import ConfigError
 from cprag.generate import MODES
+from cprag.key_codec import codec_name
 from cprag.metrics import squad2_question_scores
 from cprag.qa_eval import QAResult, evaluate_oracle, summarize
 from cprag.squad import read_squad
@@ -31,8 +32,10 @@ class SquadEvalConfig:
     min_confidence: float = 0.0  # withhold answers below this confidence (0: always answer)
     start_beam: int = 1  # first tokens decoded per question (1: greedy)
     batch_size: int = 1  # hidden-mode questions decoded per backbone pass (latency is then a batch's share)
+    key_codec: str = "float16"  # with --oracle: the keys as an index storing them this way gives them back
 
     def __post_init__(self):
+        self.key_codec = codec_name(self.key_codec)
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ConfigError("--modes", ",".join(self.modes), f"expected some of {', '.join(MODES)}, or none")
@@ -90,7 +93,8 @@ def evaluate_squad(
         results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                                   config.seed, config.max_new_tokens, on_result=tick,
                                   min_confidence=config.min_confidence, start_beam=config.start_beam,
-                                  batch_size=config.batch_size, reranker=reranker)
+                                  batch_size=config.batch_size, reranker=reranker, key_codec=config.key_codec)
+        extra["eval/keys"] = config.key_codec
     else:
         results, extra = _evaluate_with_index(index, examples, config, tick)
     summary = summarize(results) if results else {}

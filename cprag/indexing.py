@@ -13,6 +13,7 @@ from cprag.checkpoint import model_fingerprint
 from cprag.corpus import Passage, Skipped, read_corpus, split_document
 from cprag.encode import encode_passages, tokenize_passage
 from cprag.errors import ConfigError, CorpusError, DiskFull, IndexCorrupt
+from cprag.key_codec import codec_name
 from cprag.lock import WriteLock
 from cprag.retrieve import FAISS_GLOBS, PassageIndex, faiss_files_for, passage_text_for_retrieval
 from cprag.store import (
@@ -34,8 +35,10 @@ class IndexConfig:
     max_passage_tokens: int = 384
     chunk_passages: int = 64
     rebuild: bool = False
+    key_codec: str = "float16"  # how keys are stored: "float16" or "int8" (cprag.key_codec)
 
     def __post_init__(self):
+        self.key_codec = codec_name(self.key_codec)
         if self.max_passage_tokens < 8:
             raise ConfigError("--max-passage-tokens", self.max_passage_tokens, "must be at least 8")
         if self.chunk_passages < 1:
@@ -118,7 +121,12 @@ def _disk_full(error: BaseException) -> bool:
 def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, config: IndexConfig,
                   fingerprint: str, started: float, on_progress) -> IndexReport:
     if not config.rebuild and (index_dir / MANIFEST).is_file():  # under the lock: no writer can change it now
-        check_model(index_dir, read_manifest(index_dir), fingerprint)
+        existing = read_manifest(index_dir)
+        check_model(index_dir, existing, fingerprint)
+        stored_codec = existing.get("key_dtype", "float16")
+        if stored_codec != config.key_codec:  # one table, one codec: mixing them would misread every other row
+            raise ConfigError("--keys", config.key_codec, f"{index_dir} stores {stored_codec} keys; add --rebuild "
+                              f"to re-encode the corpus as {config.key_codec}")
     if config.rebuild and index_dir.exists():
         (index_dir / MANIFEST).unlink(missing_ok=True)  # the commit point first
         shutil.rmtree(index_dir / "lancedb", ignore_errors=True)
@@ -134,13 +142,13 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     if not (index_dir / MANIFEST).is_file():  # before the table: a table without a manifest reads as damaged
         write_manifest(index_dir, {**manifest, "status": "building"})
     try:
-        store = PassageStore(index_dir, embedder.dim, create=True)
+        store = PassageStore(index_dir, embedder.dim, create=True, key_codec=config.key_codec)
     except IndexCorrupt:
         if read_manifest(index_dir).get("status") == "complete":
             raise  # a finished version is damaged: the user decides (--rebuild)
         # a first build killed while LanceDB created its table: nothing was ever committed, start the table over
         shutil.rmtree(index_dir / "lancedb", ignore_errors=True)
-        store = PassageStore(index_dir, embedder.dim, create=True)
+        store = PassageStore(index_dir, embedder.dim, create=True, key_codec=config.key_codec)
     stored = store.stored_hashes()
     todo = [p for p in passages if stored.get(p.passage_id) != (p.doc_id, p.doc_hash)]
     current_ids = {p.passage_id for p in passages}
@@ -158,7 +166,8 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
         encode_seconds += time.perf_counter() - tick
         tokens_encoded += sum(len(t.ids) for t in tokenized)
         embeddings = embedder.embed([passage_text_for_retrieval(p.title, p.text) for p in chunk])
-        store.upsert([row_for(p, keys[i], embeddings[i], metadata[p.doc_id]) for i, p in enumerate(chunk)])
+        store.upsert([row_for(p, keys[i], embeddings[i], metadata[p.doc_id], config.key_codec)
+                      for i, p in enumerate(chunk)])
         if on_progress:
             on_progress("encode", start + len(chunk), len(todo))
     store.delete(stale)
@@ -209,7 +218,7 @@ def _manifest(model, fingerprint: str, embedder, config: IndexConfig, index_dir:
         "model_fingerprint": fingerprint,
         "base_model": model.config.base_model,
         "key_dim": model.config.key_dim,
-        "key_dtype": "float16",
+        "key_dtype": config.key_codec,
         "encode_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "token_id_dtype": "int32",
         "retriever": embedder.describe(),

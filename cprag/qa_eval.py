@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from cprag.batch_generate import batch_supported, generate_batch
 from cprag.cache import DevicePassage
 from cprag.encode import PassageKeys, encode_passages, tokenize_passage
 from cprag.generate import generate
+from cprag.key_codec import round_trip
 from cprag.metrics import squad2_question_scores
 from cprag.prompt_prefix import prompt_prefix
 from cprag.squad import QAExample, article_of
@@ -51,8 +52,9 @@ def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int,
 class OracleMemory:
     """Encodes passages on first use (as `cprag index` would) and keeps them on the model's device."""
 
-    def __init__(self, model, tokenizer, passages: dict[str, tuple[str, str]]):
+    def __init__(self, model, tokenizer, passages: dict[str, tuple[str, str]], key_codec: str = "float16"):
         self.model, self.tokenizer, self.passages = model, tokenizer, passages
+        self.key_codec = key_codec  # keys as an index storing them this way gives them back
         self.encoded: dict[str, DevicePassage] = {}
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
@@ -67,6 +69,7 @@ class OracleMemory:
 
     def _device_passage(self, pid: str, keys: PassageKeys) -> DevicePassage:
         title, text = self.passages[pid]
+        keys = replace(keys, keys=round_trip(keys.keys, self.key_codec))
         stored = StoredPassage(passage_id=pid, doc_id=pid, title=title, text=text, char_start=0, keys=keys)
         return DevicePassage.from_stored(stored, self.device, self.dtype)
 
@@ -75,13 +78,13 @@ def evaluate_oracle(
     model, tokenizer, examples: list[QAExample], passages: dict[str, tuple[str, str]], modes: list[str],
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
     on_result: Callable[[QAResult], None] | None = None, choose: str = "token", min_confidence: float = 0.0,
-    start_beam: int = 1, batch_size: int = 1, reranker=None,
+    start_beam: int = 1, batch_size: int = 1, reranker=None, key_codec: str = "float16",
 ) -> list[QAResult]:
     """Each example in each mode with its gold passage plus `distractors` others (seeded), scored against its
     references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one). With
     `batch_size` > 1, hidden-mode questions are decoded that many per backbone pass (the same answers; each
     question's latency is then its share of its batch's time)."""
-    memory = OracleMemory(model, tokenizer, passages)
+    memory = OracleMemory(model, tokenizer, passages, key_codec)
     prefix = prompt_prefix(model, tokenizer)
     all_ids = sorted(passages)
     rng = random.Random(seed)

@@ -87,7 +87,8 @@ def _read_consistent(path: Path) -> Snapshot:
     version = manifest.get("table_version")  # absent in indexes written before versions were recorded
     files = faiss_files(path, manifest)
     try:
-        store = PassageStore(path, manifest["retriever"]["dim"], version=version)
+        store = PassageStore(path, manifest["retriever"]["dim"], version=version,
+                             key_codec=manifest.get("key_dtype", "float16"))
         passage_index = PassageIndex.load(path, files)
         if version is not None and passage_index.table_version != version:
             raise IndexCorrupt(str(path), f"{files['ids']} describes table version {passage_index.table_version} "

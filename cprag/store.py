@@ -1,7 +1,7 @@
 """The index directory: a LanceDB table of passages with their CP keys, a FAISS index, and a manifest.
 
     DIR/manifest.json      format version, model fingerprint, key dim, retriever, counts, bytes per token
-    DIR/lancedb/passages   one row per passage: ids, title, text, token ids + offsets, fp16 keys, embedding
+    DIR/lancedb/passages   one row per passage: ids, title, text, token ids + offsets, keys (fp16 or int8), embedding
     DIR/faiss-vN.index     inner-product index over passage embeddings of table version N (row i = FAISS id i)
     DIR/faiss-vN.ids.json  passage id of each FAISS row, and N
 
@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from cprag.encode import PassageKeys
 from cprag.errors import IndexCorrupt, IndexNotFound, ModelMismatch
+from cprag.key_codec import decode_keys, encode_keys
 
 FORMAT_VERSION = 2  # 2: FAISS files named by table version in the manifest
 READABLE_FORMATS = (1, 2)  # 1: fixed FAISS file names (still read; the next update rewrites it as 2)
@@ -46,7 +47,8 @@ def passage_schema(embedding_dim: int) -> pa.Schema:
         ("n_tokens", pa.int32()),
         ("token_ids", pa.binary()),  # int32 little-endian, one per token
         ("offsets", pa.binary()),  # int32 (start, end) per token, relative to the passage text
-        ("keys", pa.binary()),  # float16 (n_tokens, key_dim): key j pastes token_ids[j]
+        ("keys", pa.binary()),  # (n_tokens, key_dim) in the manifest's key_dtype (cprag.key_codec): key j pastes
+        # token_ids[j]
         ("embedding", pa.list_(pa.float32(), embedding_dim)),
     ])
 
@@ -110,13 +112,15 @@ def check_model(path: Path, manifest: dict, fingerprint: str) -> None:
 class PassageStore:
     """The LanceDB passages table of one index directory."""
 
-    def __init__(self, path: str | Path, embedding_dim: int, create: bool = False, version: int | None = None):
+    def __init__(self, path: str | Path, embedding_dim: int, create: bool = False, version: int | None = None,
+                 key_codec: str = "float16"):
         """`version`: read that committed LanceDB version of the table (a reader's snapshot) instead of the
-        latest; the store is then read-only."""
+        latest; the store is then read-only. `key_codec`: how the keys are stored (cprag.key_codec)."""
         import lancedb
 
         self.path = Path(path)
         self.embedding_dim = embedding_dim
+        self.key_codec = key_codec
         try:
             self.db = lancedb.connect(str(self.path / "lancedb"))
             exists = TABLE in self.db.list_tables().tables
@@ -181,7 +185,7 @@ class PassageStore:
         found = {}
         for row in rows:
             n = row["n_tokens"]
-            keys = np.frombuffer(row["keys"], dtype=np.float16).reshape(n, -1)
+            keys = decode_keys(row["keys"], n, self.key_codec)
             found[row["passage_id"]] = StoredPassage(
                 passage_id=row["passage_id"], doc_id=row["doc_id"], title=row["title"], text=row["text"],
                 char_start=row["char_start"],
@@ -215,13 +219,13 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def row_for(passage, keys: PassageKeys, embedding: np.ndarray, metadata: dict) -> dict:
+def row_for(passage, keys: PassageKeys, embedding: np.ndarray, metadata: dict, key_codec: str = "float16") -> dict:
     return {
         "passage_id": passage.passage_id, "doc_id": passage.doc_id, "title": passage.title, "text": passage.text,
         "char_start": passage.char_start, "doc_hash": passage.doc_hash,
         "metadata": json.dumps(metadata, ensure_ascii=False), "n_tokens": len(keys.ids),
         "token_ids": keys.ids.astype("<i4").tobytes(), "offsets": keys.offsets.astype("<i4").tobytes(),
-        "keys": keys.keys.astype("<f2").tobytes(), "embedding": embedding.astype(np.float32).tolist(),
+        "keys": encode_keys(keys.keys, key_codec), "embedding": embedding.astype(np.float32).tolist(),
     }
 
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from cprag.api import Index
 from cprag.checkpoint import load_model, model_fingerprint
 from cprag.cli import app
-from cprag.errors import IndexCorrupt, IndexLocked, ModelMismatch, QuestionTooLong, TooFewPassages
+from cprag.errors import ConfigError, IndexCorrupt, IndexLocked, ModelMismatch, QuestionTooLong, TooFewPassages
 from cprag.generate import generate
 from cprag.indexing import IndexConfig, build_index
 from cprag.retrieve import MiniLMEmbedder
@@ -238,6 +238,35 @@ def test_a_bf16_encoded_index_belongs_to_the_checkpoint_and_opens_in_fp32(tmp_pa
     assert torch.nn.functional.cosine_similarity(low_keys, full_keys, dim=0) > 0.99
     bad = CliRunner().invoke(app, ["index", str(corpus), "--index", str(tmp_path / "x"), "--dtype", "fp8"])
     assert bad.exit_code != 0 and "--dtype" in bad.output and not (tmp_path / "x").exists()
+
+
+def test_int8_keys_take_14_of_20_bytes_per_token_and_a_codec_change_needs_rebuild(tmp_path, checkpoint, embedder):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    index_corpus(corpus, tmp_path / "fp16", checkpoint, embedder)
+    report = index_corpus(corpus, tmp_path / "int8", checkpoint, embedder, key_codec="int8")
+    assert report.manifest["key_dtype"] == "int8"
+    assert report.manifest["bytes_per_token"] == 8 + 2 + 4  # int8 key (dim 8), its fp16 scale, int32 token id
+    full, small = Index(tmp_path / "fp16", checkpoint=checkpoint), Index(tmp_path / "int8", checkpoint=checkpoint)
+    ids = [row["passage_id"] for row in stored_rows(tmp_path / "fp16")]
+    wide, narrow = full.store.fetch(ids), small.store.fetch(ids)
+    for pid in ids:
+        a, b = wide[pid].keys.keys.astype(np.float32), narrow[pid].keys.keys
+        assert np.array_equal(wide[pid].keys.ids, narrow[pid].keys.ids)
+        assert np.abs(a - b).max() <= np.abs(a).max() / 127  # within a level of each key's scale
+    assert small.ask("When did the bridge open?", k=2).passages
+    before = stored_rows(tmp_path / "int8")
+    with pytest.raises(ConfigError, match="--keys.*stores int8 keys.*--rebuild"):
+        index_corpus(corpus, tmp_path / "int8", checkpoint, embedder)  # fp16 rows into an int8 table: refused
+    assert stored_rows(tmp_path / "int8") == before
+    result = CliRunner().invoke(app, ["index", str(corpus), "--index", str(tmp_path / "int8"), "--checkpoint",
+                                      str(checkpoint), "--max-passage-tokens", "120", "--keys", "fp16"])
+    assert result.exit_code == 2 and "--rebuild" in result.output
+    result = CliRunner().invoke(app, ["index", str(corpus), "--index", str(tmp_path / "int8"), "--checkpoint",
+                                      str(checkpoint), "--max-passage-tokens", "120", "--keys", "fp16",
+                                      "--rebuild", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["keys"] == "float16"
+    info = json.loads(CliRunner().invoke(app, ["info", "--index", str(tmp_path / "int8"), "--json"]).stdout)
+    assert info["key_dtype"] == "float16" and info["bytes_per_token"] == 2 * 8 + 4
 
 
 def test_no_answer_is_said_plainly_with_the_passages_read(tmp_path, checkpoint, embedder):

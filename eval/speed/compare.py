@@ -4,10 +4,11 @@ and questions per second one at a time against 16 per batch.
     python eval/speed/compare.py ../shared/data/squad-v1.1-dev-public.json --baseline 25939f2 --out eval/speed
 
 The baseline is checked out into a temporary git worktree and run from the same virtual environment with its own
-code and shipped checkpoint (each at its own default dtype). Both build an index of the same seeded 40 SQuAD
-paragraphs with `cprag index` (their own encoder), then answer the same questions with `Index.ask` at k=5, warm key
-shards, one warm-up pass first. The two trees run one after the other, alternating twice, and the report takes
-each tree's median over its runs, so a slow minute on a shared machine falls on both.
+code and shipped checkpoint (each at its own default dtype). Both time `cprag index` (their own encoder) over 200
+seeded SQuAD paragraphs, build an index of 40 others (the bench's `--documents 40` draw), then answer the same
+questions with `Index.ask` at k=5, warm key shards, 8 warm-up questions first; today's tree then answers them with
+`Index.ask_many` at 16 per batch. The two trees run one after the other, alternating, and the report takes each
+tree's median over its runs, so a slow minute on a shared machine falls on both.
 Writes summary.json and report.md to OUT.
 """
 
@@ -35,9 +36,17 @@ assert Path(cprag.__file__).resolve().is_relative_to(Path.cwd().resolve()), cpra
 from cprag.cli import app
 from cprag.api import Index
 corpus, index, questions, batch = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-result = CliRunner().invoke(app, ["index", corpus, "--index", index, "--rebuild", "--json"])
-assert result.exit_code == 0, result.output
-built = json.loads(result.stdout.strip().splitlines()[-1])
+encode_corpus = sys.argv[5]
+
+
+def build(source, target):
+    result = CliRunner().invoke(app, ["index", source, "--index", target, "--rebuild", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+built = build(encode_corpus, index + "-encode")  # the encoding figure, over more tokens than the asks' corpus
+build(corpus, index)
 opened = Index(index)
 options = dict(k=5, min_confidence=0.0, min_retrieval_score=-1.0)
 for q in questions[:8]:
@@ -47,7 +56,8 @@ for q in questions:
     tick = time.perf_counter()
     answers.append(opened.ask(q, **options).answer)
     times.append((time.perf_counter() - tick) * 1000)
-figures = {"encode_tokens_per_second": built["encode_tokens_per_second"], "dtype": built.get("dtype", "float32"),
+figures = {"encode_tokens_per_second": built["encode_tokens_per_second"], "encode_tokens": built["tokens_encoded"],
+           "dtype": built.get("dtype", "float32"),
            "ask_p50_ms": statistics.median(times), "ask_mean_ms": statistics.fmean(times),
            "qps@1": len(questions) / (sum(times) / 1000)}
 if batch and hasattr(opened, "ask_many"):
@@ -65,9 +75,11 @@ def questions_for(titles: list[str], count: int) -> list[str]:
     return (asked * (count // max(len(asked), 1) + 1))[:count]
 
 
-def run_tree(tree: Path, corpus: Path, scratch: Path, questions: list[str], batch: int) -> dict:
+def run_tree(tree: Path, corpus: Path, encode_corpus: Path, scratch: Path, questions: list[str], batch: int
+             ) -> dict:
     index = scratch / f"index-{tree.name}"
-    command = [sys.executable, "-c", MEASURE, str(corpus), str(index), json.dumps(questions), str(batch)]
+    command = [sys.executable, "-c", MEASURE, str(corpus), str(index), json.dumps(questions), str(batch),
+               str(encode_corpus)]
     env = {**{k: v for k, v in os.environ.items() if k != "CPRAG_DTYPE"}, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("FIGURES ")]
@@ -80,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("corpus", type=Path, help="SQuAD JSON: each paragraph is a document")
     parser.add_argument("--baseline", default="25939f2", help="the commit to compare against")
-    parser.add_argument("--documents", type=int, default=40)
+    parser.add_argument("--documents", type=int, default=40, help="the asks' corpus")
+    parser.add_argument("--encode-documents", type=int, default=200, help="the encoding figure's corpus")
     parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
@@ -90,23 +103,26 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from cprag.corpus import read_corpus
 
-    documents = random.Random(args.seed).sample(read_corpus(args.corpus).documents, args.documents)
+    everything = read_corpus(args.corpus).documents
+    documents = random.Random(args.seed).sample(everything, args.documents)
+    encoded = random.Random(args.seed + 1).sample(everything, args.encode_documents)
     questions = questions_for([d.title or d.id for d in documents], args.questions)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        corpus = scratch / "corpus.jsonl"
-        corpus.write_text("".join(json.dumps({"id": d.id, "title": d.title, "text": d.text}) + "\n"
-                                  for d in documents))
+        corpus, encode_corpus = scratch / "corpus.jsonl", scratch / "encode-corpus.jsonl"
+        for path, chosen in ((corpus, documents), (encode_corpus, encoded)):
+            path.write_text("".join(json.dumps({"id": d.id, "title": d.title, "text": d.text}) + "\n"
+                                    for d in chosen))
         baseline = scratch / "baseline"
         subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=ROOT, check=True,
                        capture_output=True)
         try:
             runs = {"baseline": [], "today": []}
             for _ in range(args.rounds):
-                runs["baseline"].append(run_tree(baseline, corpus, scratch, questions, args.batch))
-                runs["today"].append(run_tree(ROOT, corpus, scratch, questions, args.batch))
+                runs["baseline"].append(run_tree(baseline, corpus, encode_corpus, scratch, questions, args.batch))
+                runs["today"].append(run_tree(ROOT, corpus, encode_corpus, scratch, questions, args.batch))
                 print(json.dumps({name: values[-1] for name, values in runs.items()}), file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
@@ -117,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "speed/baseline_commit": args.baseline, "speed/commit": head, "speed/documents": args.documents,
         "speed/questions": args.questions, "speed/rounds": args.rounds,
         "speed/dtype_baseline": runs["baseline"][0]["dtype"], "speed/dtype": runs["today"][0]["dtype"],
+        "speed/encode_tokens": runs["today"][0]["encode_tokens"],
         "speed/encode_tps_baseline": round(old["encode_tokens_per_second"], 1),
         "speed/encode_tps": round(new["encode_tokens_per_second"], 1),
         "speed/encode_tps_over_baseline": round(new["encode_tokens_per_second"] / old["encode_tokens_per_second"], 2),
