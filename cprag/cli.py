@@ -151,6 +151,10 @@ def index_command(
     chunk: int = typer.Option(64, "--chunk", help="Passages per committed chunk (the resume granularity)."),
     keys: str = typer.Option("fp16", "--keys", help="How keys are stored: fp16 (132 B per token with its id) or "
                              "int8 with a scale per key (70 B); changing it needs --rebuild."),
+    approximate_above: int = typer.Option(None, "--approximate-above", help="Passages above which the FAISS "
+                                          "index is an IVF (trained on the stored embeddings) instead of exact "
+                                          "(default: cprag.retrieve.APPROXIMATE_ABOVE, 100,000); cprag info shows "
+                                          "which."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: str = DTYPE_OPTION,
@@ -165,11 +169,12 @@ def index_command(
 
     from cprag.checkpoint import load_model, model_fingerprint
     from cprag.indexing import IndexConfig, build_index
-    from cprag.retrieve import MiniLMEmbedder
+    from cprag.retrieve import APPROXIMATE_ABOVE, MiniLMEmbedder
     from cprag.runtime import default_device, resolve_dtype
 
+    above = APPROXIMATE_ABOVE if approximate_above is None else approximate_above
     config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild,
-                         key_codec=keys)
+                         key_codec=keys, approximate_above=above)
     device = device or default_device()
     cast = resolve_dtype(device, dtype)  # a wrong name fails before seconds of loading
     with err.status("loading the model and the retriever"):

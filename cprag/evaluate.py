@@ -131,6 +131,13 @@ def index_doc_id(passage_id: str) -> str:
 def _evaluate_with_index(index, examples, config: SquadEvalConfig, tick) -> tuple[list[QAResult], dict]:
     results, cold, warm = [], [], []
     extra = retrieval_recall(index, examples, config.k)
+    layout = index.passage_index.layout
+    extra["retrieval/faiss"] = layout["kind"]
+    if layout["kind"] != "flat":  # how much of the exact top 5 the approximate index finds, on these questions
+        ids, vectors = index.store.embeddings()
+        queries = index.embedder.embed([e.question for e in examples])
+        extra["retrieval/recall@5_vs_exact"] = round(index.passage_index.recall_against_exact(ids, vectors, queries),
+                                                     4)
     for example in examples:
         for mode in config.modes:
             misses = index.cache.misses

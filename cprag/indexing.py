@@ -15,7 +15,7 @@ from cprag.encode import encode_passages, tokenize_passage
 from cprag.errors import ConfigError, CorpusError, DiskFull, IndexCorrupt
 from cprag.key_codec import codec_name
 from cprag.lock import WriteLock
-from cprag.retrieve import FAISS_GLOBS, PassageIndex, faiss_files_for, passage_text_for_retrieval
+from cprag.retrieve import APPROXIMATE_ABOVE, FAISS_GLOBS, PassageIndex, faiss_files_for, passage_text_for_retrieval
 from cprag.store import (
     FORMAT_VERSION,
     MANIFEST,
@@ -36,9 +36,12 @@ class IndexConfig:
     chunk_passages: int = 64
     rebuild: bool = False
     key_codec: str = "float16"  # how keys are stored: "float16" or "int8" (cprag.key_codec)
+    approximate_above: int = APPROXIMATE_ABOVE  # passages above which FAISS is an IVF (cprag.retrieve)
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
+        if self.approximate_above < 1:
+            raise ConfigError("--approximate-above", self.approximate_above, "must be at least 1")
         if self.max_passage_tokens < 8:
             raise ConfigError("--max-passage-tokens", self.max_passage_tokens, "must be at least 8")
         if self.chunk_passages < 1:
@@ -175,13 +178,14 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     # commit: the new version's FAISS files beside the old ones, then the manifest that names them
     passage_ids, vectors = store.embeddings()
     faiss_files = faiss_files_for(store.version)
-    PassageIndex.build(passage_ids, vectors).save(index_dir, faiss_files, store.version)
+    passage_index = PassageIndex.build(passage_ids, vectors, config.approximate_above)
+    passage_index.save(index_dir, faiss_files, store.version)
     totals = store.totals()
     named = set(faiss_files.values())
     # the previous version's FAISS files stay until this manifest commits: they are not this version's bytes
     disk_bytes = directory_bytes(index_dir) - sum(f.stat().st_size for f in _faiss_files(index_dir, keep=named))
     manifest.update(
-        status="complete", table_version=store.version, faiss=faiss_files,
+        status="complete", table_version=store.version, faiss=faiss_files, faiss_layout=passage_index.layout,
         counts={"documents": totals["documents"], "passages": totals["passages"], "tokens": totals["tokens"]},
         bytes_per_token=round(totals["key_and_id_bytes"] / max(totals["tokens"], 1), 2),
         disk_bytes_per_token=round(disk_bytes / max(totals["tokens"], 1), 2),

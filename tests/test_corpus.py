@@ -147,3 +147,29 @@ def test_shipped_corpora_read_cleanly_at_their_stated_sizes(name, min_words, max
     for document in corpus.documents:
         assert document.title
         assert min_words <= len(document.text.split()) <= max_words, document.id
+
+
+def test_an_ivf_index_finds_most_of_the_exact_top_5_and_keeps_its_layout(tmp_path):
+    import numpy as np
+
+    from cprag.retrieve import PassageIndex, faiss_layout
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(40, 32))
+    points = centres[rng.integers(0, 40, size=4000)] + 0.3 * rng.normal(size=(4000, 32))
+    points /= np.linalg.norm(points, axis=1, keepdims=True)
+    ids = [f"p{i}" for i in range(len(points))]
+    assert faiss_layout(3999, 4000) == {"kind": "flat"}
+    index = PassageIndex.build(ids, points, approximate_above=1000)
+    assert index.layout["kind"] == "ivf" and index.layout["nlist"] == 4000 // 39 and index.layout["nprobe"] == 16
+    queries = points[rng.integers(0, 4000, size=200)] + 0.05 * rng.normal(size=(200, 32))
+    assert index.recall_against_exact(ids, points, queries) >= 0.9
+    index.save(tmp_path, {"index": "f.index", "ids": "f.ids.json"}, 3)
+    again = PassageIndex.load(tmp_path, {"index": "f.index", "ids": "f.ids.json"}, use_gpu=False,
+                              layout={**index.layout, "nprobe": 1})
+    assert again.index.nprobe == 1 and again.layout["nprobe"] == 1  # the manifest's nprobe wins
+    fewer = again.recall_against_exact(ids, points, queries)
+    assert fewer < index.recall_against_exact(ids, points, queries)
+    rebuilt = PassageIndex.build(ids, points, approximate_above=1000)  # seeded: the same table, the same index
+    assert [[h.passage_id for h in row] for row in rebuilt.search(queries[:20], 5)] == \
+        [[h.passage_id for h in row] for row in index.search(queries[:20], 5)]

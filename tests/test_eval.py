@@ -115,6 +115,19 @@ def test_eval_squad_with_an_index_reports_recall(tmp_path, checkpoint):
     assert 0.0 <= summary["retrieval/recall@1"] <= summary["retrieval/recall@2"] <= 1.0
     assert summary["retrieval/recall@2"] >= 0.5  # MiniLM finds these short passages
     assert "reuse/cold_load_ms" in summary
+    assert summary["retrieval/faiss"] == "flat" and "retrieval/recall@5_vs_exact" not in summary
+    # the same corpus under an IVF index: the manifest says so, and eval measures it against exact search
+    built = runner.invoke(app, ["index", str(data), "--index", str(tmp_path / "ivf"), "--max-passage-tokens", "120",
+                                "--checkpoint", str(checkpoint), "--approximate-above", "2"])
+    assert built.exit_code == 0, built.output
+    info = json.loads(runner.invoke(app, ["info", "--index", str(tmp_path / "ivf"), "--json"]).stdout)
+    assert info["faiss_layout"]["kind"] == "ivf" and info["faiss_layout"]["nlist"] >= 1
+    result = runner.invoke(app, ["eval", "squad", str(data), "--index", str(tmp_path / "ivf"), "--modes", "none",
+                                 "-k", "2", "--out", str(tmp_path / "out-ivf"), "--checkpoint", str(checkpoint),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["retrieval/faiss"] == "ivf" and 0.0 <= summary["retrieval/recall@5_vs_exact"] <= 1.0
 
 
 def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
