@@ -644,6 +644,59 @@ def eval_squad2_command(
     err.print(f"wrote {out_dir}/results.jsonl, summary.json, report.md, abstention.png")
 
 
+@eval_app.command("scale")
+@reports_errors
+def eval_scale_command(
+    passages: int = typer.Option(1_000_000, "--passages", help="Synthetic passages to write."),
+    tokens: int = typer.Option(128, "--tokens", help="Tokens per synthetic passage."),
+    keys: str = typer.Option("fp16", "--keys", help="Key codec: fp16 or int8 (as cprag index --keys)."),
+    queries: int = typer.Option(500, "--queries", help="Questions timed (fetch and recall on up to 200 of them)."),
+    index: Path = typer.Option(None, "--index", help="Where to write the synthetic index (default: a temporary "
+                               "folder, removed after; about 160 bytes per token on disk)."),
+    seed: int = typer.Option(0, "--seed"),
+    out_dir: Path = typer.Option(Path("eval/scale"), "--out", "-o", help="Where summary.json and report.md go."),
+    as_json: bool = JSON_OPTION,
+):
+    """Write N synthetic passages (random keys and clustered embeddings, the real schema) straight into an index,
+    then time FAISS search and k=5 key-shard fetches, recall@5 against exact search, disk bytes per token, memory.
+
+    Example: cprag eval scale --passages 1000000 --out eval/scale --json
+    """
+    import shutil
+    import tempfile
+
+    from cprag.errors import ConfigError
+    from cprag.key_codec import codec_name
+    from cprag.scale import measure_scale, write_scale_report, write_synthetic_index
+
+    if passages < 100:
+        raise ConfigError("--passages", passages, "must be at least 100")
+    if tokens < 1:
+        raise ConfigError("--tokens", tokens, "must be at least 1")
+    codec = codec_name(keys)
+    target = Path(tempfile.mkdtemp(prefix="cprag-scale-")) if index is None else index
+    if index is not None and any(index.iterdir() if index.is_dir() else []):
+        raise ConfigError("--index", str(index), "must be a new or empty folder (the bench writes its own rows)")
+    try:
+        with _progress_bar(as_json) as progress:
+            task = progress.add_task("writing synthetic passages", total=passages)
+            build, vectors = write_synthetic_index(
+                target, passages, tokens, key_codec=codec, seed=seed,
+                on_progress=lambda stage, done, total: progress.update(task, completed=done))
+        with err.status("timing search and fetches"):
+            figures = measure_scale(target, vectors, queries=queries, seed=seed)
+    finally:
+        if index is None:
+            shutil.rmtree(target, ignore_errors=True)
+    write_scale_report(out_dir, figures, build)
+    if as_json:
+        emit_json(figures)
+        return
+    for key, value in figures.items():
+        out.print(f"{key}: {value}", highlight=False)
+    err.print(f"wrote {out_dir}/summary.json and report.md")
+
+
 @eval_app.command("bench")
 @reports_errors
 def eval_bench_command(

@@ -29,6 +29,8 @@ from cprag.store import (
     write_manifest,
 )
 
+OPTIMIZE_ABOVE = 10_000  # passages: below, a fetch's scan of the table takes a few milliseconds anyway
+
 
 @dataclass
 class IndexConfig:
@@ -174,6 +176,8 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
         if on_progress:
             on_progress("encode", start + len(chunk), len(todo))
     store.delete(stale)
+    if store.count() >= OPTIMIZE_ABOVE:  # compaction and an id index: fetches stay lookups at millions of rows
+        store.optimize()
 
     # commit: the new version's FAISS files beside the old ones, then the manifest that names them
     passage_ids, vectors = store.embeddings()

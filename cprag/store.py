@@ -138,6 +138,14 @@ class PassageStore:
             except Exception as error:  # the version's files removed (a cleanup, a half-copied directory)
                 raise self.unreadable(error) from None
 
+    def optimize(self) -> None:
+        """Compact the table's fragments and (re)build a BTREE index on passage_id, so fetching a handful of
+        passages by id stays a lookup, not a scan, at millions of rows."""
+        from lancedb.index import BTree
+
+        self.table.optimize()
+        self.table.create_index("passage_id", config=BTree(), replace=True)  # the column comes first
+
     @property
     def version(self) -> int:
         return self.table.version

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from cprag.checkpoint import load_model
 from cprag.cli import app
 from cprag.needle import NEEDLE, build_haystack
+from cprag.snapshot import open_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +164,27 @@ def test_eval_rejects_bad_flags_with_one_line(tmp_path, checkpoint):
     assert both.exit_code != 0 and "exactly one" in both.output
     depths = runner.invoke(app, ["eval", "needle", "--depths", "2", "--out", str(tmp_path)])
     assert depths.exit_code != 0 and "depths" in depths.output
+
+
+def test_eval_scale_writes_a_synthetic_index_and_times_it(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["eval", "scale", "--passages", "3000", "--tokens", "16", "--queries", "50",
+                                 "--keys", "int8", "--index", str(tmp_path / "idx"), "--out", str(tmp_path / "out"),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert figures["scale/passages"] == 3000 and figures["scale/tokens"] == 3000 * 16
+    assert figures["scale/faiss"] == "flat" and figures["scale/recall@5_vs_exact"] == 1.0
+    assert 0 < figures["scale/search_p50_ms"] <= figures["scale/search_p99_ms"]
+    assert 0 < figures["scale/fetch_p50_ms@k5"] <= figures["scale/fetch_p99_ms@k5"]
+    assert figures["scale/bytes_per_token"] == 64 + 2 + 4 and figures["scale/disk_bytes_per_token"] > 70
+    opened = open_snapshot(tmp_path / "idx")  # the real schema: the store reads the synthetic rows back
+    assert len(opened.passage_index) == 3000 and opened.store.count() == 3000
+    assert any(i.columns == ["passage_id"] for i in opened.store.table.list_indices())  # fetches are lookups
+    fetched = opened.store.fetch(["s000000007"])["s000000007"]
+    assert fetched.keys.keys.shape == (16, 64) and len(fetched.keys.ids) == 16
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["scale/extrapolated"]["10000000"]["disk_gb"] > 0
+    again = runner.invoke(app, ["eval", "scale", "--passages", "200", "--index", str(tmp_path / "idx"),
+                                "--out", str(tmp_path / "out")])
+    assert again.exit_code == 2 and "--index" in again.output and opened.store.count() == 3000
