@@ -1,10 +1,10 @@
 """`cprag eval scale`: an index of many synthetic passages written straight into the real schema, then what a
 question costs at that size: FAISS search, fetching k key shards from LanceDB, disk bytes per token, memory.
 
-Synthetic rows have random token ids and keys (`tokens` per passage) and embeddings drawn around a few thousand
-topic centres on the unit sphere, as sentence embeddings cluster by topic; each query is a stored passage's
-embedding plus noise, so it has a true nearest passage. (Uniformly random embeddings would have no neighbours
-worth the name, and no approximate index finds those.) Nothing here loads a model.
+Synthetic rows have random token ids and keys (`tokens` per passage, from a pool of 1,009 random passages, cycled)
+and embeddings drawn around topic centres on the unit sphere, as sentence embeddings cluster by topic; each query is
+a stored passage's embedding plus noise, so it has a true nearest passage. (Uniformly random embeddings would have
+no neighbours worth the name, and no approximate index finds those.) Nothing here loads a model.
 """
 
 from __future__ import annotations
@@ -48,19 +48,22 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     schema = passage_schema(EMBEDDING_DIM)
     started, embeddings = time.perf_counter(), []
     offsets = np.zeros((tokens, 2), dtype="<i4").tobytes()
+    # keys and token ids from a pool of 1,009 random passages, cycled: what is stored and read is real-sized,
+    # and drawing 10^11 random numbers would only time the generator
+    pool = 1009
+    pool_keys = [encode_keys(k, key_codec) for k in rng.standard_normal((pool, tokens, key_dim), dtype=np.float32)]
+    pool_ids = [row.astype("<i4").tobytes() for row in rng.integers(0, 49152, size=(pool, tokens), dtype=np.int32)]
     for first in range(0, passages, ROWS_PER_COMMIT):
         count = min(ROWS_PER_COMMIT, passages - first)
         vectors = _embeddings(rng, centres, count)
         embeddings.append(vectors)
-        ids = rng.integers(0, 49152, size=(count, tokens), dtype=np.int32)
-        keys = rng.standard_normal((count, tokens, key_dim), dtype=np.float32)
         names = [f"s{first + i:09d}" for i in range(count)]
         table = pa.table({
             "passage_id": names, "doc_id": names, "title": [""] * count, "text": [""] * count,
             "char_start": pa.array(np.zeros(count, dtype=np.int32)), "doc_hash": ["synthetic"] * count,
             "metadata": ["{}"] * count, "n_tokens": pa.array(np.full(count, tokens, dtype=np.int32)),
-            "token_ids": [row.astype("<i4").tobytes() for row in ids], "offsets": [offsets] * count,
-            "keys": [encode_keys(row, key_codec) for row in keys],
+            "token_ids": [pool_ids[(first + i) % pool] for i in range(count)], "offsets": [offsets] * count,
+            "keys": [pool_keys[(first + i) % pool] for i in range(count)],
             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), EMBEDDING_DIM),
         }, schema=schema)
         store.table.add(table)
