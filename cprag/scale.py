@@ -1,10 +1,11 @@
 """`cprag eval scale`: an index of many synthetic passages written straight into the real schema, then what a
 question costs at that size: FAISS search, fetching k key shards from LanceDB, disk bytes per token, memory.
 
-Synthetic rows have random token ids and keys (`tokens` per passage, from a pool of 1,009 random passages, cycled)
-and embeddings drawn around topic centres on the unit sphere, as sentence embeddings cluster by topic; each query is
-a stored passage's embedding plus noise, so it has a true nearest passage. (Uniformly random embeddings would have
-no neighbours worth the name, and no approximate index finds those.) Nothing here loads a model.
+Synthetic rows have random token ids, character spans and key bytes (`tokens` per passage; keys are random bytes
+of the codec's size, so they do not compress, and are never decoded into answers), and embeddings drawn around
+topic centres on the unit sphere, as sentence embeddings cluster by topic. Each query is a stored passage's
+embedding plus noise, so it has a true nearest passage. (Uniformly random embeddings would have no neighbours worth
+the name, and no approximate index finds those.) Nothing here loads a model.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import json
 import resource
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from cprag.key_codec import bytes_per_key, encode_keys
+from cprag.key_codec import bytes_per_key
 from cprag.retrieve import APPROXIMATE_ABOVE, PassageIndex, faiss_files_for
 from cprag.store import FORMAT_VERSION, PassageStore, directory_bytes, now, passage_schema, write_manifest
 
@@ -47,23 +49,23 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     store = PassageStore(directory, EMBEDDING_DIM, create=True, key_codec=key_codec)
     schema = passage_schema(EMBEDDING_DIM)
     started, embeddings = time.perf_counter(), []
-    offsets = np.zeros((tokens, 2), dtype="<i4").tobytes()
-    # keys and token ids from a pool of 1,009 random passages, cycled: what is stored and read is real-sized,
-    # and drawing 10^11 random numbers would only time the generator
-    pool = 1009
-    pool_keys = [encode_keys(k, key_codec) for k in rng.standard_normal((pool, tokens, key_dim), dtype=np.float32)]
-    pool_ids = [row.astype("<i4").tobytes() for row in rng.integers(0, 49152, size=(pool, tokens), dtype=np.int32)]
+    # every row's keys are its own random bytes, of the codec's size: repeated blobs would let the columnar store
+    # compress them, and the disk figure would flatter; 10^10 random floats would only time the generator
+    key_bytes = tokens * bytes_per_key(key_dim, key_codec)
     for first in range(0, passages, ROWS_PER_COMMIT):
         count = min(ROWS_PER_COMMIT, passages - first)
         vectors = _embeddings(rng, centres, count)
         embeddings.append(vectors)
         names = [f"s{first + i:09d}" for i in range(count)]
+        ids = rng.integers(0, 49152, size=(count, tokens), dtype=np.int32)
+        ends = rng.integers(1, 9, size=(count, tokens), dtype=np.int32).cumsum(axis=1)  # word-like character spans
+        spans = np.stack([ends - 1, ends], axis=-1).astype("<i4")
         table = pa.table({
             "passage_id": names, "doc_id": names, "title": [""] * count, "text": [""] * count,
             "char_start": pa.array(np.zeros(count, dtype=np.int32)), "doc_hash": ["synthetic"] * count,
             "metadata": ["{}"] * count, "n_tokens": pa.array(np.full(count, tokens, dtype=np.int32)),
-            "token_ids": [pool_ids[(first + i) % pool] for i in range(count)], "offsets": [offsets] * count,
-            "keys": [pool_keys[(first + i) % pool] for i in range(count)],
+            "token_ids": [row.astype("<i4").tobytes() for row in ids], "offsets": [row.tobytes() for row in spans],
+            "keys": [rng.bytes(key_bytes) for _ in range(count)],
             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), EMBEDDING_DIM),
         }, schema=schema)
         store.table.add(table)
@@ -72,6 +74,8 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     written = time.perf_counter() - started
     tick = time.perf_counter()
     store.optimize()
+    # nobody reads this table's earlier versions: drop their files, so the disk figure is what one version holds
+    store.table.optimize(cleanup_older_than=timedelta(0), delete_unverified=True)
     optimized = time.perf_counter() - tick
     tick = time.perf_counter()
     vectors = np.concatenate(embeddings)
