@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +36,13 @@ def _embeddings(rng: np.random.Generator, centres: np.ndarray, count: int, sprea
     return (points / np.linalg.norm(points, axis=1, keepdims=True)).astype(np.float32)
 
 
+def _random_keys(rng: np.random.Generator, tokens: int, key_dim: int, codec: str) -> bytes:
+    """Random stored keys of the codec's size (int8: valid fp16 scales, then random codes)."""
+    if codec == "float16":
+        return rng.bytes(tokens * key_dim * 2)
+    return rng.random(tokens, dtype=np.float32).astype("<f2").tobytes() + rng.bytes(tokens * key_dim)
+
+
 def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 128, key_dim: int = 64,
                           key_codec: str = "float16", approximate_above: int = APPROXIMATE_ABOVE, seed: int = 0,
                           on_progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, np.ndarray]:
@@ -51,7 +59,6 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     started, embeddings = time.perf_counter(), []
     # every row's keys are its own random bytes, of the codec's size: repeated blobs would let the columnar store
     # compress them, and the disk figure would flatter; 10^10 random floats would only time the generator
-    key_bytes = tokens * bytes_per_key(key_dim, key_codec)
     for first in range(0, passages, ROWS_PER_COMMIT):
         count = min(ROWS_PER_COMMIT, passages - first)
         vectors = _embeddings(rng, centres, count)
@@ -65,7 +72,7 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
             "char_start": pa.array(np.zeros(count, dtype=np.int32)), "doc_hash": ["synthetic"] * count,
             "metadata": ["{}"] * count, "n_tokens": pa.array(np.full(count, tokens, dtype=np.int32)),
             "token_ids": [row.astype("<i4").tobytes() for row in ids], "offsets": [row.tobytes() for row in spans],
-            "keys": [rng.bytes(key_bytes) for _ in range(count)],
+            "keys": [_random_keys(rng, tokens, key_dim, key_codec) for _ in range(count)],
             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), EMBEDDING_DIM),
         }, schema=schema)
         store.table.add(table)
@@ -75,7 +82,9 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     tick = time.perf_counter()
     store.optimize()
     # nobody reads this table's earlier versions: drop their files, so the disk figure is what one version holds
-    store.table.optimize(cleanup_older_than=timedelta(0), delete_unverified=True)
+    with warnings.catch_warnings():  # lancedb warns that older versions go: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        store.table.optimize(cleanup_older_than=timedelta(0), delete_unverified=True)
     optimized = time.perf_counter() - tick
     tick = time.perf_counter()
     vectors = np.concatenate(embeddings)
