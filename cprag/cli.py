@@ -155,6 +155,12 @@ def index_command(
                                           "index is an IVF (trained on the stored embeddings) instead of exact "
                                           "(default: cprag.retrieve.APPROXIMATE_ABOVE, 100,000); cprag info shows "
                                           "which."),
+    ray: str = typer.Option(None, "--ray", help="Encode on a Ray cluster: "
+                            "--ray ADDRESS joins one (HOST:PORT, ray://..., or auto for the one `ray start` runs "
+                            "here); a bare --ray (or --ray local) starts a local cluster. Needs cprag[cluster]."),
+    ray_workers: int = typer.Option(None, "--ray-workers", help="Encoding actors on the cluster (default: one per "
+                                    "--ray-cpus-per-worker CPUs)."),
+    ray_cpus_per_worker: int = typer.Option(1, "--ray-cpus-per-worker", help="CPUs (torch threads) per actor."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: str = DTYPE_OPTION,
@@ -164,6 +170,7 @@ def index_command(
 
     Example: cprag index examples/corpus.jsonl --index indexes/demo
     Example: cprag index corpus.jsonl --index indexes/small --keys int8   # 70 B per stored token
+    Example: cprag index corpus.jsonl --index indexes/big --ray 10.0.0.5:6379   # encode on a Ray cluster
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -175,6 +182,14 @@ def index_command(
     above = APPROXIMATE_ABOVE if approximate_above is None else approximate_above
     config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild,
                          key_codec=keys, approximate_above=above)
+    cluster = None
+    if ray is not None:
+        from cprag.ray_index import RayIndexSettings
+
+        cluster = RayIndexSettings(address=None if ray == "local" else ray, workers=ray_workers,
+                                   cpus_per_worker=ray_cpus_per_worker,
+                                   checkpoint=str(checkpoint.resolve()) if checkpoint else None, device=device,
+                                   dtype=dtype)
     device = device or default_device()
     cast = resolve_dtype(device, dtype)  # a wrong name fails before seconds of loading
     with err.status("loading the model and the retriever"):
@@ -194,7 +209,7 @@ def index_command(
         progress.update(task, completed=done, total=total)
 
     try:
-        report = build_index(corpus, index, model, tokenizer, embedder, config, on_progress, fingerprint)
+        report = build_index(corpus, index, model, tokenizer, embedder, config, on_progress, fingerprint, cluster)
     finally:
         progress.stop()
     for skipped in report.skipped:
@@ -205,7 +220,7 @@ def index_command(
         "skipped": [vars(s) for s in report.skipped], "tokens_encoded": report.tokens_encoded,
         "encode_tokens_per_second": round(report.encode_tokens_per_second, 1), "seconds": round(report.seconds, 2),
         "bytes_per_token": report.manifest["bytes_per_token"], "dtype": report.manifest["encode_dtype"],
-        "keys": report.manifest["key_dtype"],
+        "keys": report.manifest["key_dtype"], "ray": None if cluster is None else (cluster.address or "local"),
     }
     if as_json:
         emit_json(summary)
@@ -858,7 +873,19 @@ def read_text_argument(value: str) -> str:
         raise ConfigError("--passage", value, f"cannot read the file: {error}") from None
 
 
+def with_optional_values(argv: list[str], options: dict[str, str]) -> list[str]:
+    """`argv` with each option of `options` that is given no value (last, or followed by another option) given its
+    default: `cprag index C --ray --json` means `--ray local`. Click has no options with an optional value."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg in options and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append(options[arg])
+    return out
+
+
 def main() -> None:
+    sys.argv = with_optional_values(sys.argv, {"--ray": "local"})
     app()
 
 

@@ -125,3 +125,12 @@ class DiskFull(CpragError):
         self.path, self.detail = path, detail
         super().__init__(f"the disk holding index {path} is full ({detail}); the last finished version is intact "
                          "and readers still see it: free some space and rerun cprag index to resume")
+
+
+class ClusterError(CpragError):
+    """The Ray cluster for `cprag index --ray` cannot be used: Ray is missing, or the address does not answer."""
+
+    def __init__(self, address: str | None, reason: str):
+        self.address, self.reason = address, reason
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        super().__init__(f"cannot index on {where}: {reason}")

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cprag.checkpoint import model_fingerprint
 from cprag.corpus import Passage, Skipped, read_corpus, split_document
@@ -28,6 +29,9 @@ from cprag.store import (
     row_for,
     write_manifest,
 )
+
+if TYPE_CHECKING:
+    from cprag.ray_index import RayIndexSettings
 
 OPTIMIZE_ABOVE = 10_000  # passages: below, a fetch's scan of the table takes a few milliseconds anyway
 
@@ -86,13 +90,15 @@ def build_index(
     config: IndexConfig | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
     fingerprint: str | None = None,
+    ray: RayIndexSettings | None = None,
 ) -> IndexReport:
     """Index a corpus into `index_dir`, adding only new or changed documents (upsert by id).
 
     `on_progress(stage, done, total)` reports progress. An interrupted run keeps every committed chunk; the next
     run picks up where it stopped. A second writer on the same directory is refused (`IndexLocked`), and the model
     fingerprint is checked under the lock, both before anything is written. Pass `fingerprint` when `model` was cast
-    from its stored weights (bf16 encoding): an index belongs to the checkpoint, whatever dtype encoded it.
+    from its stored weights (bf16 encoding): an index belongs to the checkpoint, whatever dtype encoded it. Pass
+    `ray` to encode on a Ray cluster (cprag.ray_index): the same rows, written as Lance fragments by its actors.
     """
     config = config or IndexConfig()
     started = time.perf_counter()
@@ -107,7 +113,7 @@ def build_index(
     with WriteLock(index_dir):
         try:
             return _build_locked(documents_read, index_dir, model, tokenizer, embedder, config, fingerprint,
-                                 started, on_progress)
+                                 started, on_progress, ray)
         except Exception as error:
             if not _disk_full(error):
                 raise
@@ -124,7 +130,7 @@ def _disk_full(error: BaseException) -> bool:
 
 
 def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, config: IndexConfig,
-                  fingerprint: str, started: float, on_progress) -> IndexReport:
+                  fingerprint: str, started: float, on_progress, ray: RayIndexSettings | None) -> IndexReport:
     if not config.rebuild and (index_dir / MANIFEST).is_file():  # under the lock: no writer can change it now
         existing = read_manifest(index_dir)
         check_model(index_dir, existing, fingerprint)
@@ -162,19 +168,22 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     # an earlier one that was interrupted before its deletes; documents absent from this corpus are never removed
     stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in corpus_docs]
 
-    tokens_encoded, encode_seconds = 0, 0.0
-    for start in range(0, len(todo), config.chunk_passages):
-        chunk = todo[start : start + config.chunk_passages]
-        tokenized = [tokenize_passage(tokenizer, p.text) for p in chunk]
-        tick = time.perf_counter()
-        keys = dict(encode_passages(model, tokenized, bos_id=tokenizer.bos_token_id))
-        encode_seconds += time.perf_counter() - tick
-        tokens_encoded += sum(len(t.ids) for t in tokenized)
-        embeddings = embedder.embed([passage_text_for_retrieval(p.title, p.text) for p in chunk])
-        store.upsert([row_for(p, keys[i], embeddings[i], metadata[p.doc_id], config.key_codec)
-                      for i, p in enumerate(chunk)])
-        if on_progress:
-            on_progress("encode", start + len(chunk), len(todo))
+    if ray is None:
+        tokens_encoded, encode_seconds = 0, 0.0
+        for start in range(0, len(todo), config.chunk_passages):
+            chunk = todo[start : start + config.chunk_passages]
+            rows, seconds = encode_chunk(chunk, metadata, model, tokenizer, embedder, config.key_codec)
+            encode_seconds += seconds
+            tokens_encoded += sum(row["n_tokens"] - 1 for row in rows)  # the end-of-turn key is not a token read
+            store.upsert(rows)
+            if on_progress:
+                on_progress("encode", start + len(chunk), len(todo))
+    else:
+        from cprag.ray_index import encode_on_ray
+
+        store.delete([p.passage_id for p in todo if p.passage_id in stored])  # appends must not duplicate them
+        tokens_encoded, encode_seconds = encode_on_ray(store, todo, metadata, config.chunk_passages,
+                                                       config.key_codec, fingerprint, ray, on_progress)
     store.delete(stale)
     if store.count() >= OPTIMIZE_ABOVE:  # compaction and an id index: fetches stay lookups at millions of rows
         store.optimize()
@@ -205,6 +214,18 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
         encode_seconds=encode_seconds, seconds=time.perf_counter() - started, skipped=documents_read.skipped,
         manifest=manifest,
     )
+
+
+def encode_chunk(chunk: list[Passage], metadata: dict, model, tokenizer, embedder, key_codec: str
+                 ) -> tuple[list[dict], float]:
+    """Rows of the passages table for one chunk, and the seconds the backbone took. The single-process path and
+    each Ray actor (cprag.ray_index) encode exactly these chunks, so their keys agree bit for bit on CPU."""
+    tokenized = [tokenize_passage(tokenizer, p.text) for p in chunk]
+    tick = time.perf_counter()
+    keys = dict(encode_passages(model, tokenized, bos_id=tokenizer.bos_token_id))
+    seconds = time.perf_counter() - tick
+    embeddings = embedder.embed([passage_text_for_retrieval(p.title, p.text) for p in chunk])
+    return [row_for(p, keys[i], embeddings[i], metadata[p.doc_id], key_codec) for i, p in enumerate(chunk)], seconds
 
 
 def _faiss_files(index_dir: Path, keep: set[str]) -> list[Path]:

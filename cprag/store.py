@@ -150,6 +150,26 @@ class PassageStore:
     def version(self) -> int:
         return self.table.version
 
+    @property
+    def uri(self) -> str:
+        """The Lance dataset directory of the table, where Ray actors write fragments (cprag.ray_index)."""
+        return str(self.path / "lancedb" / f"{TABLE}.lance")
+
+    def append_fragments(self, fragments: list) -> None:
+        """Commit Lance fragments written elsewhere (by Ray actors) as one Append on the latest version."""
+        import lance
+
+        if not fragments:
+            return
+        self.table.checkout_latest()
+        lance.LanceDataset.commit(self.uri, lance.LanceOperation.Append(fragments), read_version=self.version)
+        self.table.checkout_latest()
+
+    def tokens_of(self, passage_ids: set[str]) -> int:
+        """Passage tokens (without each passage's end-of-turn key) stored for these ids."""
+        rows = self.table.to_arrow().select(["passage_id", "n_tokens"]).to_pydict()
+        return sum(n - 1 for pid, n in zip(rows["passage_id"], rows["n_tokens"], strict=True) if pid in passage_ids)
+
     def unreadable(self, error: Exception) -> IndexCorrupt:
         return IndexCorrupt(str(self.path), f"the passages table lancedb/passages is unreadable "
                             f"({error_line(error)}); " + REBUILD.format(path=self.path))
