@@ -149,8 +149,11 @@ def index_command(
     rebuild: bool = typer.Option(False, "--rebuild", help="Discard the existing index and start over."),
     max_passage_tokens: int = typer.Option(384, "--max-passage-tokens", help="Split longer documents."),
     chunk: int = typer.Option(64, "--chunk", help="Passages per committed chunk (the resume granularity)."),
-    keys: str = typer.Option("fp16", "--keys", help="How keys are stored: fp16 (132 B per token with its id) or "
-                             "int8 with a scale per key (70 B); changing it needs --rebuild."),
+    keys: str = typer.Option("fp16", "--keys", help="How keys are stored: fp16 (132 B per token with its id), "
+                             "int8 with a scale per key (70 B), or pq: 16 one-byte codes of a codebook learned from "
+                             "the corpus (20 B); changing it needs --rebuild."),
+    pq_subvectors: int = typer.Option(None, "--pq-subvectors", help="With --keys pq: codes (bytes) per key; each "
+                                      "codes key_dim / N dimensions (default: cprag.key_codec.PQ_SUBVECTORS)."),
     approximate_above: int = typer.Option(None, "--approximate-above", help="Passages above which the FAISS "
                                           "index is an IVF (trained on the stored embeddings) instead of exact "
                                           "(default: cprag.retrieve.APPROXIMATE_ABOVE, 100,000); cprag info shows "
@@ -181,7 +184,7 @@ def index_command(
 
     above = APPROXIMATE_ABOVE if approximate_above is None else approximate_above
     config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild,
-                         key_codec=keys, approximate_above=above)
+                         key_codec=keys, approximate_above=above, pq_subvectors=pq_subvectors)
     cluster = None
     if ray is not None:
         from cprag.ray_index import RayIndexSettings
@@ -568,7 +571,9 @@ def eval_squad_command(
     start_beam: int = START_BEAM_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
     keys: str = typer.Option("fp16", "--keys", help="With --oracle: answer from the keys as an index storing them "
-                             "this way (fp16 or int8, as cprag index --keys) gives them back."),
+                             "this way (fp16, int8 or pq, as cprag index --keys) gives them back."),
+    pq_subvectors: int = typer.Option(None, "--pq-subvectors", help="With --keys pq: codes per key, as cprag index "
+                                      "--pq-subvectors."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -588,7 +593,8 @@ def eval_squad_command(
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
                              start_beam=START_BEAM if start_beam is None else start_beam, batch_size=batch_size,
-                             articles=tuple(held_out_articles(checkpoint)) if held_out else None, key_codec=keys)
+                             articles=tuple(held_out_articles(checkpoint)) if held_out else None, key_codec=keys,
+                             pq_subvectors=pq_subvectors)
     with err.status("loading the model"):
         if index is not None:
             from cprag.api import Index
@@ -664,7 +670,8 @@ def eval_squad2_command(
 def eval_scale_command(
     passages: int = typer.Option(1_000_000, "--passages", help="Synthetic passages to write."),
     tokens: int = typer.Option(128, "--tokens", help="Tokens per synthetic passage."),
-    keys: str = typer.Option("fp16", "--keys", help="Key codec: fp16 or int8 (as cprag index --keys)."),
+    keys: str = typer.Option("fp16", "--keys", help="Key codec: fp16, int8 or pq (as cprag index --keys; pq "
+                             "codes with a random codebook)."),
     queries: int = typer.Option(500, "--queries", help="Questions timed (fetch and recall on up to 200 of them)."),
     index: Path = typer.Option(None, "--index", help="Where to write the synthetic index (default: a temporary "
                                "folder, removed after; about 160 bytes per token on disk)."),

@@ -14,7 +14,7 @@ import numpy as np
 
 from cprag.errors import ConfigError
 from cprag.generate import MODES
-from cprag.key_codec import codec_name
+from cprag.key_codec import codec_name, pq_subvectors
 from cprag.metrics import squad2_question_scores
 from cprag.qa_eval import QAResult, evaluate_oracle, summarize
 from cprag.squad import read_squad
@@ -33,6 +33,7 @@ class SquadEvalConfig:
     start_beam: int = 1  # first tokens decoded per question (1: greedy)
     batch_size: int = 1  # hidden-mode questions decoded per backbone pass (latency is then a batch's share)
     key_codec: str = "float16"  # with --oracle: the keys as an index storing them this way gives them back
+    pq_subvectors: int | None = None  # with key_codec "pq": codes per key (None: cprag.key_codec.pq_subvectors)
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
@@ -93,8 +94,11 @@ def evaluate_squad(
         results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                                   config.seed, config.max_new_tokens, on_result=tick,
                                   min_confidence=config.min_confidence, start_beam=config.start_beam,
-                                  batch_size=config.batch_size, reranker=reranker, key_codec=config.key_codec)
+                                  batch_size=config.batch_size, reranker=reranker, key_codec=config.key_codec,
+                                  pq_subvectors=config.pq_subvectors)
         extra["eval/keys"] = config.key_codec
+        if config.key_codec == "pq":
+            extra["eval/pq_subvectors"] = config.pq_subvectors or pq_subvectors(model.config.key_dim)
     else:
         results, extra = _evaluate_with_index(index, examples, config, tick)
     summary = summarize(results) if results else {}

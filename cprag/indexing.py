@@ -10,16 +10,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from cprag.checkpoint import model_fingerprint
 from cprag.corpus import Passage, Skipped, read_corpus, split_document
 from cprag.encode import encode_passages, tokenize_passage
 from cprag.errors import ConfigError, CorpusError, DiskFull, IndexCorrupt
-from cprag.key_codec import codec_name
+from cprag.key_codec import PQ_FILE, PQ_TRAIN_KEYS, Codec, PQCodebook, codec_name, decode_keys, encode_keys
 from cprag.lock import WriteLock
 from cprag.retrieve import APPROXIMATE_ABOVE, FAISS_GLOBS, PassageIndex, faiss_files_for, passage_text_for_retrieval
 from cprag.store import (
     FORMAT_VERSION,
     MANIFEST,
+    REBUILD,
     PassageStore,
     check_model,
     directory_bytes,
@@ -41,8 +44,9 @@ class IndexConfig:
     max_passage_tokens: int = 384
     chunk_passages: int = 64
     rebuild: bool = False
-    key_codec: str = "float16"  # how keys are stored: "float16" or "int8" (cprag.key_codec)
+    key_codec: str = "float16"  # how keys are stored: "float16", "int8" or "pq" (cprag.key_codec)
     approximate_above: int = APPROXIMATE_ABOVE  # passages above which FAISS is an IVF (cprag.retrieve)
+    pq_subvectors: int | None = None  # --keys pq: one-byte codes per key (None: cprag.key_codec.pq_subvectors)
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
@@ -50,6 +54,8 @@ class IndexConfig:
             raise ConfigError("--approximate-above", self.approximate_above, "must be at least 1")
         if self.max_passage_tokens < 8:
             raise ConfigError("--max-passage-tokens", self.max_passage_tokens, "must be at least 8")
+        if self.pq_subvectors is not None and self.pq_subvectors < 1:
+            raise ConfigError("--pq-subvectors", self.pq_subvectors, "must be at least 1")
         if self.chunk_passages < 1:
             raise ConfigError("--chunk", self.chunk_passages, "must be at least 1")
 
@@ -142,6 +148,7 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
         (index_dir / MANIFEST).unlink(missing_ok=True)  # the commit point first
         shutil.rmtree(index_dir / "lancedb", ignore_errors=True)
         _remove_faiss_files(index_dir, keep=set())
+        (index_dir / PQ_FILE).unlink(missing_ok=True)
     index_dir.mkdir(parents=True, exist_ok=True)
 
     passages: list[Passage] = []
@@ -168,11 +175,15 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     # an earlier one that was interrupted before its deletes; documents absent from this corpus are never removed
     stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in corpus_docs]
 
+    codec, first, tokens_encoded, encode_seconds = config.key_codec, 0, 0, 0.0
+    if codec == "pq":  # the codebook first: learned from the first chunks' keys, which are then stored as codes
+        codec, first, tokens_encoded, encode_seconds = _pq_codebook(index_dir, store, stored, todo, metadata, model,
+                                                                    tokenizer, embedder, config, on_progress)
+    store.key_codec = codec
     if ray is None:
-        tokens_encoded, encode_seconds = 0, 0.0
-        for start in range(0, len(todo), config.chunk_passages):
+        for start in range(first, len(todo), config.chunk_passages):
             chunk = todo[start : start + config.chunk_passages]
-            rows, seconds = encode_chunk(chunk, metadata, model, tokenizer, embedder, config.key_codec)
+            rows, seconds = encode_chunk(chunk, metadata, model, tokenizer, embedder, codec)
             encode_seconds += seconds
             tokens_encoded += sum(row["n_tokens"] - 1 for row in rows)  # the end-of-turn key is not a token read
             store.upsert(rows)
@@ -181,9 +192,10 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     else:
         from cprag.ray_index import encode_on_ray
 
-        store.delete([p.passage_id for p in todo if p.passage_id in stored])  # appends must not duplicate them
-        tokens_encoded, encode_seconds = encode_on_ray(store, todo, metadata, config.chunk_passages,
-                                                       config.key_codec, fingerprint, ray, on_progress)
+        store.delete([p.passage_id for p in todo[first:] if p.passage_id in stored])  # appends must not repeat them
+        ray_tokens, ray_seconds = encode_on_ray(store, todo[first:], metadata, config.chunk_passages, codec,
+                                                fingerprint, ray, on_progress)
+        tokens_encoded, encode_seconds = tokens_encoded + ray_tokens, encode_seconds + ray_seconds
     store.delete(stale)
     if store.count() >= OPTIMIZE_ABOVE:  # compaction and an id index: fetches stay lookups at millions of rows
         store.optimize()
@@ -197,6 +209,8 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     named = set(faiss_files.values())
     # the previous version's FAISS files stay until this manifest commits: they are not this version's bytes
     disk_bytes = directory_bytes(index_dir) - sum(f.stat().st_size for f in _faiss_files(index_dir, keep=named))
+    if isinstance(codec, PQCodebook):
+        manifest["key_pq"] = codec.describe()
     manifest.update(
         status="complete", table_version=store.version, faiss=faiss_files, faiss_layout=passage_index.layout,
         counts={"documents": totals["documents"], "passages": totals["passages"], "tokens": totals["tokens"]},
@@ -216,7 +230,36 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     )
 
 
-def encode_chunk(chunk: list[Passage], metadata: dict, model, tokenizer, embedder, key_codec: str
+def _pq_codebook(index_dir: Path, store, stored: dict, todo: list[Passage], metadata: dict, model, tokenizer,
+                 embedder, config: IndexConfig, on_progress) -> tuple[PQCodebook, int, int, float]:
+    """The index's PQ codebook, and how far into `todo` learning it got: (codebook, passages stored, tokens
+    encoded, encode seconds). An index that has one keeps it (its stored codes depend on it); a new one learns it
+    from the keys of the first chunks (up to PQ_TRAIN_KEYS), saves it, and stores those chunks as codes."""
+    if (index_dir / PQ_FILE).is_file():
+        return PQCodebook.load(index_dir / PQ_FILE), 0, 0, 0.0
+    if stored:  # codes without their codebook cannot be read back
+        raise IndexCorrupt(str(index_dir), f"{PQ_FILE} is missing, so the stored pq keys cannot be decoded; "
+                           + REBUILD.format(path=index_dir))
+    sample: list[dict] = []
+    first, seconds = 0, 0.0
+    while first < len(todo) and sum(row["n_tokens"] for row in sample) < PQ_TRAIN_KEYS:
+        chunk = todo[first : first + config.chunk_passages]
+        rows, took = encode_chunk(chunk, metadata, model, tokenizer, embedder, "float16")
+        sample, first, seconds = sample + rows, first + len(chunk), seconds + took
+    keys = [decode_keys(row["keys"], row["n_tokens"], "float16") for row in sample]
+    codebook = PQCodebook.train(np.concatenate(keys) if keys else np.zeros((0, model.config.key_dim)),
+                                config.pq_subvectors)
+    codebook.save(index_dir / PQ_FILE)  # before any code is committed
+    for row, row_keys in zip(sample, keys, strict=True):
+        row["keys"] = encode_keys(row_keys, codebook)
+    for start in range(0, len(sample), config.chunk_passages):
+        store.upsert(sample[start : start + config.chunk_passages])
+        if on_progress:
+            on_progress("encode", min(start + config.chunk_passages, first), len(todo))
+    return codebook, first, sum(row["n_tokens"] - 1 for row in sample), seconds
+
+
+def encode_chunk(chunk: list[Passage], metadata: dict, model, tokenizer, embedder, key_codec: Codec
                  ) -> tuple[list[dict], float]:
     """Rows of the passages table for one chunk, and the seconds the backbone took. The single-process path and
     each Ray actor (cprag.ray_index) encode exactly these chunks, so their keys agree bit for bit on CPU."""

@@ -14,7 +14,7 @@ from cprag.batch_generate import batch_supported, generate_batch
 from cprag.cache import DevicePassage
 from cprag.encode import PassageKeys, encode_passages, tokenize_passage
 from cprag.generate import generate
-from cprag.key_codec import round_trip
+from cprag.key_codec import PQ_TRAIN_KEYS, PQCodebook, round_trip
 from cprag.metrics import squad2_question_scores
 from cprag.prompt_prefix import prompt_prefix
 from cprag.squad import QAExample, article_of
@@ -74,16 +74,33 @@ class OracleMemory:
         return DevicePassage.from_stored(stored, self.device, self.dtype)
 
 
+def oracle_pq_codebook(model, tokenizer, passages: dict[str, tuple[str, str]], subvectors: int | None = None
+                       ) -> PQCodebook:
+    """A PQ codebook learned, as `cprag index --keys pq` learns one, from the keys of the first passages (in id
+    order) until PQ_TRAIN_KEYS keys."""
+    sample, keys = [], 0
+    for pid in sorted(passages):
+        if keys >= PQ_TRAIN_KEYS:
+            break
+        sample.append(tokenize_passage(tokenizer, passages[pid][1]))
+        keys += len(sample[-1].ids) + 1
+    encoded = [k.keys for _, k in encode_passages(model, sample, bos_id=tokenizer.bos_token_id)]
+    return PQCodebook.train(np.concatenate([np.asarray(k, dtype=np.float32) for k in encoded]), subvectors)
+
+
 def evaluate_oracle(
     model, tokenizer, examples: list[QAExample], passages: dict[str, tuple[str, str]], modes: list[str],
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
     on_result: Callable[[QAResult], None] | None = None, choose: str = "token", min_confidence: float = 0.0,
     start_beam: int = 1, batch_size: int = 1, reranker=None, key_codec: str = "float16",
+    pq_subvectors: int | None = None,
 ) -> list[QAResult]:
     """Each example in each mode with its gold passage plus `distractors` others (seeded), scored against its
     references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one). With
     `batch_size` > 1, hidden-mode questions are decoded that many per backbone pass (the same answers; each
     question's latency is then its share of its batch's time)."""
+    if key_codec == "pq":  # the codebook an index of these articles would learn: from their first passages' keys
+        key_codec = oracle_pq_codebook(model, tokenizer, passages, pq_subvectors)
     memory = OracleMemory(model, tokenizer, passages, key_codec)
     prefix = prompt_prefix(model, tokenizer)
     all_ids = sorted(passages)

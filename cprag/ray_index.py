@@ -113,8 +113,9 @@ def encode_on_ray(store, todo: list, metadata: dict, chunk_passages: int, key_co
         )
         from cprag.store import passage_schema
 
-        written = encoded.map_batches(fragment_writer(store.uri, schema=passage_schema(store.embedding_dim)),
-                                      batch_size=None, batch_format="pyarrow")
+        writer = fragment_writer(store.uri, schema=passage_schema(store.embedding_dim), use_legacy_format=None,
+                                 data_storage_version=store.data_storage_version)  # the table's own file format
+        written = encoded.map_batches(writer, batch_size=None, batch_format="pyarrow")
         pending, pending_rows, done = [], 0, 0
         batches = written.iter_batches(batch_size=None, batch_format="pyarrow")
         for batch in _reraising(batches, settings.address):

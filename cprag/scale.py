@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cprag.key_codec import bytes_per_key
+from cprag.key_codec import PQ_CENTROIDS, PQ_FILE, PQ_SUBVECTORS, Codec, PQCodebook, bytes_per_key
 from cprag.retrieve import APPROXIMATE_ABOVE, PassageIndex, faiss_files_for
 from cprag.store import FORMAT_VERSION, PassageStore, directory_bytes, now, passage_schema, write_manifest
 
@@ -37,9 +37,11 @@ def _embeddings(rng: np.random.Generator, centres: np.ndarray, count: int, sprea
 
 
 def _random_keys(rng: np.random.Generator, tokens: int, key_dim: int, codec: str) -> bytes:
-    """Random stored keys of the codec's size (int8: valid fp16 scales, then random codes)."""
+    """Random stored keys of the codec's size (int8: valid fp16 scales, then random codes; pq: random codes)."""
     if codec == "float16":
         return rng.bytes(tokens * key_dim * 2)
+    if codec == "pq":
+        return rng.bytes(tokens * PQ_SUBVECTORS)
     return rng.random(tokens, dtype=np.float32).astype("<f2").tobytes() + rng.bytes(tokens * key_dim)
 
 
@@ -54,7 +56,12 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     centres = rng.standard_normal((max(16, passages // 400), EMBEDDING_DIM)).astype(np.float32)
     centres /= np.linalg.norm(centres, axis=1, keepdims=True)
     write_manifest(directory, {"format_version": FORMAT_VERSION, "status": "building", "synthetic": True})
-    store = PassageStore(directory, EMBEDDING_DIM, create=True, key_codec=key_codec)
+    stored_codec: Codec = key_codec
+    if key_codec == "pq":  # a random codebook: fetches decode random codes through it, as a real index's would
+        stored_codec = PQCodebook(rng.standard_normal((PQ_SUBVECTORS, PQ_CENTROIDS, key_dim // PQ_SUBVECTORS))
+                                  .astype(np.float32))
+        stored_codec.save(directory / PQ_FILE)
+    store = PassageStore(directory, EMBEDDING_DIM, create=True, key_codec=stored_codec)
     schema = passage_schema(EMBEDDING_DIM)
     started, embeddings = time.perf_counter(), []
     # every row's keys are its own random bytes, of the codec's size: repeated blobs would let the columnar store
@@ -98,6 +105,7 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
         "key_dim": key_dim, "key_dtype": key_codec, "token_id_dtype": "int32",
         "retriever": {"name": "synthetic", "dim": EMBEDDING_DIM}, "table_version": store.version, "faiss": files,
         "faiss_layout": passage_index.layout, "created": now(), "updated": now(),
+        **({"key_pq": stored_codec.describe()} if isinstance(stored_codec, PQCodebook) else {}),
         "counts": {"documents": passages, "passages": passages, "tokens": passages * tokens},
         "bytes_per_token": bytes_per_key(key_dim, key_codec) + 4,
     }

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cprag.errors import IndexBusy, IndexCorrupt, IndexNotFound, IndexUnfinished
+from cprag.key_codec import PQ_FILE, Codec, PQCodebook
 from cprag.lock import writer_pid
 from cprag.retrieve import LEGACY_FAISS_FILES, PassageIndex
-from cprag.store import MANIFEST, REFRESH, PassageStore, read_manifest
+from cprag.store import MANIFEST, REBUILD, REFRESH, PassageStore, error_line, read_manifest
 
 # how long a reader waits out a writer's commit before saying the index is busy
 COMMIT_WAIT_S = 5.0
@@ -79,6 +80,19 @@ def faiss_files(path: Path, manifest: dict) -> dict[str, str]:
     return files
 
 
+def stored_codec(path: Path, manifest: dict) -> Codec:
+    """How the index's keys are stored: a codec name, or its PQ codebook."""
+    name = manifest.get("key_dtype", "float16")
+    if name != "pq":
+        return name
+    file = path / manifest.get("key_pq", {}).get("file", PQ_FILE)
+    try:
+        return PQCodebook.load(file)
+    except (OSError, ValueError) as error:
+        raise IndexCorrupt(str(path), f"the pq codebook {file.name} is unreadable ({error_line(error)}); "
+                           + REBUILD.format(path=path)) from None
+
+
 def _read_consistent(path: Path) -> Snapshot:
     before = manifest_stamp(path)
     manifest = read_manifest(path)
@@ -88,7 +102,7 @@ def _read_consistent(path: Path) -> Snapshot:
     files = faiss_files(path, manifest)
     try:
         store = PassageStore(path, manifest["retriever"]["dim"], version=version,
-                             key_codec=manifest.get("key_dtype", "float16"))
+                             key_codec=stored_codec(path, manifest))
         passage_index = PassageIndex.load(path, files, layout=manifest.get("faiss_layout"))
         if version is not None and passage_index.table_version != version:
             raise IndexCorrupt(str(path), f"{files['ids']} describes table version {passage_index.table_version} "

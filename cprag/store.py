@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from cprag.encode import PassageKeys
 from cprag.errors import IndexCorrupt, IndexNotFound, ModelMismatch
-from cprag.key_codec import decode_keys, encode_keys
+from cprag.key_codec import Codec, decode_keys, encode_keys
 
 FORMAT_VERSION = 2  # 2: FAISS files named by table version in the manifest
 READABLE_FORMATS = (1, 2)  # 1: fixed FAISS file names (still read; the next update rewrites it as 2)
@@ -113,7 +113,7 @@ class PassageStore:
     """The LanceDB passages table of one index directory."""
 
     def __init__(self, path: str | Path, embedding_dim: int, create: bool = False, version: int | None = None,
-                 key_codec: str = "float16"):
+                 key_codec: Codec = "float16"):
         """`version`: read that committed LanceDB version of the table (a reader's snapshot) instead of the
         latest; the store is then read-only. `key_codec`: how the keys are stored (cprag.key_codec)."""
         import lancedb
@@ -154,6 +154,11 @@ class PassageStore:
     def uri(self) -> str:
         """The Lance dataset directory of the table, where Ray actors write fragments (cprag.ray_index)."""
         return str(self.path / "lancedb" / f"{TABLE}.lance")
+
+    @property
+    def data_storage_version(self) -> str:
+        """The Lance file format of the table's data files, which fragments written elsewhere must share."""
+        return self.table.to_lance().data_storage_version
 
     def append_fragments(self, fragments: list) -> None:
         """Commit Lance fragments written elsewhere (by Ray actors) as one Append on the latest version."""
@@ -247,7 +252,8 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def row_for(passage, keys: PassageKeys, embedding: np.ndarray, metadata: dict, key_codec: str = "float16") -> dict:
+def row_for(passage, keys: PassageKeys, embedding: np.ndarray, metadata: dict, key_codec: Codec = "float16"
+            ) -> dict:
     return {
         "passage_id": passage.passage_id, "doc_id": passage.doc_id, "title": passage.title, "text": passage.text,
         "char_start": passage.char_start, "doc_hash": passage.doc_hash,

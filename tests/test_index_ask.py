@@ -7,7 +7,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from tiny_models import DOCS, tiny_checkpoint, tiny_tokenizer, write_jsonl, write_tiny_gguf  # noqa: F401
+from tiny_models import (  # noqa: F401
+    DOCS,
+    tiny_checkpoint,
+    tiny_tokenizer,
+    with_extra_docs,
+    write_jsonl,
+    write_tiny_gguf,
+)
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -267,6 +274,35 @@ def test_int8_keys_take_14_of_20_bytes_per_token_and_a_codec_change_needs_rebuil
     assert result.exit_code == 0 and json.loads(result.stdout)["keys"] == "float16"
     info = json.loads(CliRunner().invoke(app, ["info", "--index", str(tmp_path / "int8"), "--json"]).stdout)
     assert info["key_dtype"] == "float16" and info["bytes_per_token"] == 2 * 8 + 4
+
+
+def test_pq_keys_learn_a_codebook_from_the_first_chunks_and_store_one_byte_per_subvector(tmp_path, checkpoint,
+                                                                                        embedder):
+    docs = with_extra_docs()
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    index_corpus(corpus, tmp_path / "fp16", checkpoint, embedder, chunk_passages=4)
+    report = index_corpus(corpus, tmp_path / "pq", checkpoint, embedder, key_codec="pq", chunk_passages=4)
+    manifest = report.manifest
+    assert manifest["key_dtype"] == "pq" and manifest["key_pq"]["subvectors"] == 8  # key_dim 8: 1 dim each
+    assert manifest["bytes_per_token"] == 8 + 4 and (tmp_path / "pq" / manifest["key_pq"]["file"]).is_file()
+    assert report.encoded == len(docs) and manifest["counts"]["tokens"] >= 256
+    full, small = Index(tmp_path / "fp16", checkpoint=checkpoint), Index(tmp_path / "pq", checkpoint=checkpoint)
+    ids = [row["passage_id"] for row in stored_rows(tmp_path / "fp16")]
+    assert ids == [row["passage_id"] for row in stored_rows(tmp_path / "pq")]
+    wide, narrow = full.store.fetch(ids), small.store.fetch(ids)
+    a = np.concatenate([wide[pid].keys.keys.astype(np.float32) for pid in ids])
+    b = np.concatenate([narrow[pid].keys.keys for pid in ids])
+    assert ((a - b) ** 2).sum() / (a**2).sum() < 0.01  # 256 centroids per dimension: close to the fp16 keys
+    assert small.ask("When did the bridge open?", k=2).passages
+    before = stored_rows(tmp_path / "pq")
+    again = index_corpus(corpus, tmp_path / "pq", checkpoint, embedder, key_codec="pq", chunk_passages=4)
+    assert again.encoded == 0 and stored_rows(tmp_path / "pq") == before  # the codebook is kept, not relearned
+    (tmp_path / "pq" / manifest["key_pq"]["file"]).unlink()
+    with pytest.raises(IndexCorrupt, match="codebook"):
+        Index(tmp_path / "pq", checkpoint=checkpoint)
+    with pytest.raises(ConfigError, match="at least 256 keys"):
+        index_corpus(write_jsonl(tmp_path / "small.jsonl", DOCS[:2]), tmp_path / "tiny", checkpoint, embedder,
+                     key_codec="pq")
 
 
 def test_no_answer_is_said_plainly_with_the_passages_read(tmp_path, checkpoint, embedder):

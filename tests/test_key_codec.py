@@ -25,3 +25,29 @@ def test_a_zero_key_and_names():
     assert codec_name("fp16") == "float16" and codec_name("int8") == "int8"
     with pytest.raises(ConfigError, match="--keys"):
         codec_name("pq4")
+    assert codec_name("pq") == "pq"
+
+
+def test_pq_codes_are_the_nearest_centroids_learned_reproducibly_and_pickle():
+    import pickle
+
+    from cprag.key_codec import PQCodebook
+
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(4000, 64)).astype(np.float32)
+    codebook = PQCodebook.train(keys)
+    assert codebook.centroids.shape == (16, 256, 4)
+    assert np.array_equal(codebook.centroids, PQCodebook.train(keys).centroids)  # seeded k-means
+    blob = encode_keys(keys[:50], codebook)
+    assert len(blob) == 50 * bytes_per_key(64, codebook) == 50 * 16
+    back = decode_keys(blob, 50, codebook)
+    # each sub-vector decodes to its nearest centroid: no centroid is closer than the chosen one
+    parts, chosen = keys[:50].astype(np.float16).astype(np.float32).reshape(50, 16, 4), back.reshape(50, 16, 4)
+    nearest = ((parts[:, :, None] - codebook.centroids[None]) ** 2).sum(-1).min(-1)
+    assert np.allclose(((parts - chosen) ** 2).sum(-1), nearest, atol=1e-5)
+    error = ((back - keys[:50]) ** 2).sum() / (keys[:50] ** 2).sum()
+    assert error < 0.2  # Gaussian keys are PQ's worst case; real keys have structure
+    assert pickle.loads(pickle.dumps(codebook)).encode(keys[:50]).tobytes() == blob  # to Ray actors, as numpy
+    with pytest.raises(ConfigError, match="at least 256 keys"):
+        PQCodebook.train(keys[:100])
+    assert bytes_per_key(8, "pq") == 8 and bytes_per_key(64, "pq") == 16

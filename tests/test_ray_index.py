@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import DOCS, tiny_checkpoint, write_jsonl
+from tiny_models import DOCS, tiny_checkpoint, with_extra_docs, write_jsonl
 from typer.testing import CliRunner
 
 from cprag.api import Index
@@ -104,6 +104,21 @@ def test_a_ray_index_equals_the_single_process_index_through_an_update(tmp_path,
     assert manifest["status"] == "complete" and manifest["counts"]["passages"] == len(rows)
     # the Ray-built index answers as any other
     assert Index(tmp_path / "ray", checkpoint=checkpoint).ask("When was the lighthouse built?", k=2).passages
+
+
+def test_pq_keys_on_ray_use_the_codebook_the_driver_learned(tmp_path, cluster, checkpoint, embedder, monkeypatch):
+    monkeypatch.setattr("cprag.indexing.PQ_TRAIN_KEYS", 300)  # the codebook from the first chunk or two, not all
+    corpus = write_jsonl(tmp_path / "c.jsonl", with_extra_docs(12))
+
+    def build(index_dir, ray=None):
+        model, tokenizer = load_model(checkpoint)
+        return build_index(corpus, index_dir, model, tokenizer, embedder,
+                           IndexConfig(max_passage_tokens=120, chunk_passages=4, key_codec="pq"), ray=ray)
+
+    single = build(tmp_path / "single")
+    report = build(tmp_path / "ray", on_ray(cluster, checkpoint))  # the first chunks here, the rest on the actors
+    assert report.encoded == single.encoded and report.manifest["key_pq"] == single.manifest["key_pq"]
+    assert all_rows(tmp_path / "ray") == all_rows(tmp_path / "single")
 
 
 def test_a_killed_ray_driver_resumes_to_the_single_process_index(tmp_path, cluster, checkpoint, embedder):

@@ -132,6 +132,13 @@ DOCS = [
 ]
 
 
+def with_extra_docs(count: int = 8) -> list[dict]:
+    """DOCS and `count` more of about 90 bytes (tokens) each: enough keys (> 256) to learn a pq codebook."""
+    words = "granite harbour lantern keeper tower storm coast signal bridge river".split()
+    return DOCS + [{"id": f"extra{i}", "title": f"Extra {i}",
+                    "text": " ".join(words[(i + j) % len(words)] for j in range(14)) + "."} for i in range(count)]
+
+
 def write_jsonl(path, docs):
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
     return path
