@@ -164,6 +164,8 @@ def index_command(
     ray_workers: int = typer.Option(None, "--ray-workers", help="Encoding actors on the cluster (default: one per "
                                     "--ray-cpus-per-worker CPUs)."),
     ray_cpus_per_worker: int = typer.Option(1, "--ray-cpus-per-worker", help="CPUs (torch threads) per actor."),
+    ray_commit: int = typer.Option(1024, "--ray-commit", help="Passages per Lance commit with --ray (what a killed "
+                                   "run keeps)."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: str = DTYPE_OPTION,
@@ -190,7 +192,7 @@ def index_command(
         from cprag.ray_index import RayIndexSettings
 
         cluster = RayIndexSettings(address=None if ray == "local" else ray, workers=ray_workers,
-                                   cpus_per_worker=ray_cpus_per_worker,
+                                   cpus_per_worker=ray_cpus_per_worker, commit_passages=ray_commit,
                                    checkpoint=str(checkpoint.resolve()) if checkpoint else None, device=device,
                                    dtype=dtype)
     device = device or default_device()

@@ -190,11 +190,20 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
             if on_progress:
                 on_progress("encode", start + len(chunk), len(todo))
     else:
+        from dataclasses import replace
+
         from cprag.ray_index import encode_on_ray
 
+        # the actors encode in the dtype the manifest records: the driver's, unless the settings name one
+        ray = replace(ray, dtype=ray.dtype or manifest["encode_dtype"])
+
         store.delete([p.passage_id for p in todo[first:] if p.passage_id in stored])  # appends must not repeat them
+        def overall(stage: str, done: int, total: int) -> None:  # counted from the start of todo, as above
+            if on_progress:
+                on_progress(stage, first + done, len(todo))
+
         ray_tokens, ray_seconds = encode_on_ray(store, todo[first:], metadata, config.chunk_passages, codec,
-                                                fingerprint, ray, on_progress)
+                                                fingerprint, ray, overall)
         tokens_encoded, encode_seconds = tokens_encoded + ray_tokens, encode_seconds + ray_seconds
     store.delete(stale)
     if store.count() >= OPTIMIZE_ABOVE:  # compaction and an id index: fetches stay lookups at millions of rows
