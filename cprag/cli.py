@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cprag.errors import CpragError
@@ -41,7 +42,8 @@ def reports_errors(command):
         try:
             return command(*args, **kwargs)
         except CpragError as error:
-            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            # escaped: a message naming `cprag[cluster]` or a list must not be read as rich markup
+            err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(error.exit_code) from None
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]")
@@ -160,7 +162,8 @@ def index_command(
                                           "which."),
     ray: str = typer.Option(None, "--ray", help="Encode on a Ray cluster: "
                             "--ray ADDRESS joins one (HOST:PORT, ray://..., or auto for the one `ray start` runs "
-                            "here); a bare --ray (or --ray local) starts a local cluster. Needs cprag[cluster]."),
+                            "here); a bare --ray (or --ray local) starts a local cluster. Needs the cluster "
+                            "extra (ray, lance-ray)."),
     ray_workers: int = typer.Option(None, "--ray-workers", help="Encoding actors on the cluster (default: one per "
                                     "--ray-cpus-per-worker CPUs)."),
     ray_cpus_per_worker: int = typer.Option(1, "--ray-cpus-per-worker", help="CPUs (torch threads) per actor."),
