@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 from test_index_ask import DOCS, tiny_checkpoint, write_jsonl
 from test_train import tiny_squad
@@ -188,3 +189,14 @@ def test_eval_scale_writes_a_synthetic_index_and_times_it(tmp_path):
     again = runner.invoke(app, ["eval", "scale", "--passages", "200", "--index", str(tmp_path / "idx"),
                                 "--out", str(tmp_path / "out")])
     assert again.exit_code == 2 and "--index" in again.output and opened.store.count() == 3000
+
+
+def test_eval_scale_with_pq_keys_reads_codes_back_through_the_stored_codebook(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "scale", "--passages", "300", "--tokens", "8", "--queries", "20",
+                                      "--keys", "pq", "--index", str(tmp_path / "idx"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["scale/bytes_per_token"] == 16 + 4
+    opened = open_snapshot(tmp_path / "idx")  # the manifest names the codebook; the snapshot decodes with it
+    assert opened.manifest["key_pq"]["subvectors"] == 16
+    keys = opened.store.fetch(["s000000003"])["s000000003"].keys.keys
+    assert keys.shape == (8, 64) and np.isfinite(keys).all() and np.abs(keys).sum() > 0
