@@ -153,7 +153,7 @@ class PassageStore:
     @property
     def uri(self) -> str:
         """The Lance dataset directory of the table, where Ray actors write fragments (cprag.ray_index)."""
-        return str(self.path / "lancedb" / f"{TABLE}.lance")
+        return str((self.path / "lancedb" / f"{TABLE}.lance").resolve())  # actors have their own working dirs
 
     @property
     def data_storage_version(self) -> str:

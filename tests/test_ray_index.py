@@ -153,9 +153,10 @@ build_index({str(corpus)!r}, {str(tmp_path / 'ray')!r}, model, tokenizer, MiniLM
 def test_cli_index_on_ray_reports_json_and_a_dead_address_is_one_line(tmp_path, cluster, checkpoint):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     runner = CliRunner()
-    result = runner.invoke(app, ["index", str(corpus), "--index", str(tmp_path / "idx"), "--checkpoint",
-                                 str(checkpoint), "--max-passage-tokens", "120", "--ray", cluster, "--ray-workers",
-                                 "2", "--json"])
+    with pytest.MonkeyPatch.context() as patch:  # a relative --index: the actors' working folder is not ours
+        patch.chdir(tmp_path)
+        result = runner.invoke(app, ["index", str(corpus), "--index", "idx", "--checkpoint", str(checkpoint),
+                                     "--max-passage-tokens", "120", "--ray", cluster, "--ray-workers", "2", "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["ray"] == cluster and summary["encoded"] == len(DOCS) and summary["tokens_encoded"] > 0
