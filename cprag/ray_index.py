@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cprag.errors import CheckpointError, ClusterError, ConfigError
 
@@ -40,6 +41,8 @@ class RayIndexSettings:
     commit_passages: int = 1024  # passages per Lance commit: the resume granularity
 
     def __post_init__(self):
+        if self.checkpoint is not None and Path(self.checkpoint).exists():  # actors have their own working folders
+            self.checkpoint = str(Path(self.checkpoint).resolve())
         if self.workers is not None and self.workers < 1:
             raise ConfigError("--ray-workers", self.workers, "must be at least 1")
         if self.cpus_per_worker < 1:
