@@ -169,6 +169,9 @@ def index_command(
     ray_cpus_per_worker: int = typer.Option(1, "--ray-cpus-per-worker", help="CPUs (torch threads) per actor."),
     ray_commit: int = typer.Option(1024, "--ray-commit", help="Passages per Lance commit with --ray (what a killed "
                                    "run keeps)."),
+    compressed_above: int = typer.Option(None, "--compressed-above", help="Passages above which the IVF keeps its "
+                                         "vectors as 8-bit scalars, a quarter of the memory (default: "
+                                         "cprag.retrieve.COMPRESSED_ABOVE, 2,000,000)."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: str = DTYPE_OPTION,
@@ -184,12 +187,13 @@ def index_command(
 
     from cprag.checkpoint import load_model, model_fingerprint
     from cprag.indexing import IndexConfig, build_index
-    from cprag.retrieve import APPROXIMATE_ABOVE, MiniLMEmbedder
+    from cprag.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, MiniLMEmbedder
     from cprag.runtime import default_device, resolve_dtype
 
     above = APPROXIMATE_ABOVE if approximate_above is None else approximate_above
     config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild,
-                         key_codec=keys, approximate_above=above, pq_subvectors=pq_subvectors)
+                         key_codec=keys, approximate_above=above, pq_subvectors=pq_subvectors,
+                         compressed_above=COMPRESSED_ABOVE if compressed_above is None else compressed_above)
     cluster = None
     if ray is not None:
         from cprag.ray_index import RayIndexSettings
@@ -680,6 +684,8 @@ def eval_scale_command(
     queries: int = typer.Option(500, "--queries", help="Questions timed (fetch and recall on up to 200 of them)."),
     index: Path = typer.Option(None, "--index", help="Where to write the synthetic index (default: a temporary "
                                "folder, removed after; about 160 bytes per token on disk)."),
+    compressed_above: int = typer.Option(None, "--compressed-above", help="Passages above which the IVF keeps "
+                                         "8-bit vectors, as cprag index --compressed-above (default 2,000,000)."),
     seed: int = typer.Option(0, "--seed"),
     out_dir: Path = typer.Option(Path("eval/scale"), "--out", "-o", help="Where summary.json and report.md go."),
     as_json: bool = JSON_OPTION,
@@ -694,6 +700,7 @@ def eval_scale_command(
 
     from cprag.errors import ConfigError
     from cprag.key_codec import codec_name
+    from cprag.retrieve import COMPRESSED_ABOVE
     from cprag.scale import measure_scale, write_scale_report, write_synthetic_index
 
     if passages < 100:
@@ -709,6 +716,7 @@ def eval_scale_command(
             task = progress.add_task("writing synthetic passages", total=passages)
             build, vectors = write_synthetic_index(
                 target, passages, tokens, key_codec=codec, seed=seed,
+                compressed_above=COMPRESSED_ABOVE if compressed_above is None else compressed_above,
                 on_progress=lambda stage, done, total: progress.update(task, completed=done))
         with err.status("timing search and fetches"):
             figures = measure_scale(target, vectors, queries=queries, seed=seed)

@@ -18,7 +18,14 @@ from cprag.encode import encode_passages, tokenize_passage
 from cprag.errors import ConfigError, CorpusError, DiskFull, IndexCorrupt
 from cprag.key_codec import PQ_FILE, PQ_TRAIN_KEYS, Codec, PQCodebook, codec_name, decode_keys, encode_keys
 from cprag.lock import WriteLock
-from cprag.retrieve import APPROXIMATE_ABOVE, FAISS_GLOBS, PassageIndex, faiss_files_for, passage_text_for_retrieval
+from cprag.retrieve import (
+    APPROXIMATE_ABOVE,
+    COMPRESSED_ABOVE,
+    FAISS_GLOBS,
+    PassageIndex,
+    faiss_files_for,
+    passage_text_for_retrieval,
+)
 from cprag.store import (
     FORMAT_VERSION,
     MANIFEST,
@@ -46,12 +53,15 @@ class IndexConfig:
     rebuild: bool = False
     key_codec: str = "float16"  # how keys are stored: "float16", "int8" or "pq" (cprag.key_codec)
     approximate_above: int = APPROXIMATE_ABOVE  # passages above which FAISS is an IVF (cprag.retrieve)
+    compressed_above: int = COMPRESSED_ABOVE  # passages above which the IVF's vectors are 8-bit
     pq_subvectors: int | None = None  # --keys pq: one-byte codes per key (None: cprag.key_codec.pq_subvectors)
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
         if self.approximate_above < 1:
             raise ConfigError("--approximate-above", self.approximate_above, "must be at least 1")
+        if self.compressed_above < 1:
+            raise ConfigError("--compressed-above", self.compressed_above, "must be at least 1")
         if self.max_passage_tokens < 8:
             raise ConfigError("--max-passage-tokens", self.max_passage_tokens, "must be at least 8")
         if self.pq_subvectors is not None and self.pq_subvectors < 1:
@@ -212,7 +222,8 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     # commit: the new version's FAISS files beside the old ones, then the manifest that names them
     passage_ids, vectors = store.embeddings()
     faiss_files = faiss_files_for(store.version)
-    passage_index = PassageIndex.build(passage_ids, vectors, config.approximate_above)
+    passage_index = PassageIndex.build(passage_ids, vectors, config.approximate_above,
+                                       compressed_above=config.compressed_above)
     passage_index.save(index_dir, faiss_files, store.version)
     totals = store.totals()
     named = set(faiss_files.values())

