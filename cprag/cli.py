@@ -164,7 +164,8 @@ def index_command(
                             "--ray ADDRESS joins one (HOST:PORT, ray://..., or auto for the one `ray start` runs "
                             "here); a bare --ray (or --ray local) starts a local cluster. Needs the cluster "
                             "extra (ray, lance-ray)."),
-    ray_workers: int = typer.Option(None, "--ray-workers", help="Encoding actors on the cluster (default: one per "
+    ray_workers: int = typer.Option(None, "--ray-workers", help="Encoding actors on the cluster (default: one per GPU, "
+                                    "else one per "
                                     "--ray-cpus-per-worker CPUs)."),
     ray_cpus_per_worker: int = typer.Option(1, "--ray-cpus-per-worker", help="CPUs (torch threads) per actor."),
     ray_commit: int = typer.Option(1024, "--ray-commit", help="Passages per Lance commit with --ray (what a killed "

@@ -33,7 +33,7 @@ class RayIndexSettings:
     "auto" joins the cluster `ray start` runs on this machine; otherwise "HOST:PORT" or a ray:// URL."""
 
     address: str | None = None
-    workers: int | None = None  # encoding actors (default: one per `cpus_per_worker` CPUs of the cluster)
+    workers: int | None = None  # encoding actors (default: one per GPU, else one per `cpus_per_worker` CPUs)
     cpus_per_worker: int = 1
     checkpoint: str | None = None  # what every actor loads (None: the shipped default)
     device: str | None = None  # None: cuda on GPU actors when the cluster has GPUs, else cpu
@@ -103,7 +103,9 @@ def encode_on_ray(store, todo: list, metadata: dict, chunk_passages: int, key_co
     try:
         device = settings.device or ("cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu")
         gpus = 1 if device.startswith("cuda") else 0
-        workers = settings.workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // settings.cpus_per_worker)
+        resources = ray.cluster_resources()
+        workers = settings.workers or (max(1, int(resources.get("GPU", 1))) if gpus else  # one actor per GPU
+                                       max(1, int(resources.get("CPU", 1)) // settings.cpus_per_worker))
         chunks = [todo[i : i + chunk_passages] for i in range(0, len(todo), chunk_passages)]
         items = [{"chunk": json.dumps([{"passage": vars(p), "metadata": metadata[p.doc_id]} for p in chunk],
                                       ensure_ascii=False)} for chunk in chunks]
