@@ -164,9 +164,8 @@ def index_command(
                             "--ray ADDRESS joins one (HOST:PORT, ray://..., or auto for the one `ray start` runs "
                             "here); a bare --ray (or --ray local) starts a local cluster. Needs the cluster "
                             "extra (ray, lance-ray)."),
-    ray_workers: int = typer.Option(None, "--ray-workers", help="Encoding actors on the cluster (default: one per GPU, "
-                                    "else one per "
-                                    "--ray-cpus-per-worker CPUs)."),
+    ray_workers: int = typer.Option(None, "--ray-workers", help="Encoding actors on the cluster (default: one per "
+                                    "GPU, else one per --ray-cpus-per-worker CPUs)."),
     ray_cpus_per_worker: int = typer.Option(1, "--ray-cpus-per-worker", help="CPUs (torch threads) per actor."),
     ray_commit: int = typer.Option(1024, "--ray-commit", help="Passages per Lance commit with --ray (what a killed "
                                    "run keeps)."),
@@ -201,8 +200,7 @@ def index_command(
 
         cluster = RayIndexSettings(address=None if ray == "local" else ray, workers=ray_workers,
                                    cpus_per_worker=ray_cpus_per_worker, commit_passages=ray_commit,
-                                   checkpoint=str(checkpoint.resolve()) if checkpoint else None, device=device,
-                                   dtype=dtype)
+                                   checkpoint=str(checkpoint) if checkpoint else None, device=device, dtype=dtype)
     device = device or default_device()
     cast = resolve_dtype(device, dtype)  # a wrong name fails before seconds of loading
     with err.status("loading the model and the retriever"):

@@ -261,11 +261,12 @@ def _pq_codebook(index_dir: Path, store, stored: dict, todo: list[Passage], meta
         raise IndexCorrupt(str(index_dir), f"{PQ_FILE} is missing, so the stored pq keys cannot be decoded; "
                            + REBUILD.format(path=index_dir))
     sample: list[dict] = []
-    first, seconds = 0, 0.0
-    while first < len(todo) and sum(row["n_tokens"] for row in sample) < PQ_TRAIN_KEYS:
-        chunk = todo[first : first + config.chunk_passages]
-        rows, took = encode_chunk(chunk, metadata, model, tokenizer, embedder, "float16")
-        sample, first, seconds = sample + rows, first + len(chunk), seconds + took
+    first, seen, seconds = 0, 0, 0.0
+    while first < len(todo) and seen < PQ_TRAIN_KEYS:
+        rows, took = encode_chunk(todo[first : first + config.chunk_passages], metadata, model, tokenizer, embedder,
+                                  "float16")
+        sample.extend(rows)
+        first, seen, seconds = first + len(rows), seen + sum(row["n_tokens"] for row in rows), seconds + took
     keys = [decode_keys(row["keys"], row["n_tokens"], "float16") for row in sample]
     codebook = PQCodebook.train(np.concatenate(keys) if keys else np.zeros((0, model.config.key_dim)),
                                 config.pq_subvectors)

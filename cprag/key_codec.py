@@ -35,8 +35,8 @@ PQ_FILE = "keys-pq.npy"
 
 @dataclass
 class PQCodebook:
-    """Product-quantization centroids: `centroids[m, c]` is centroid c of sub-vector m (numpy, so it pickles to
-    Ray actors and encodes without FAISS)."""
+    """Product-quantization centroids: `centroids[m, c]` is centroid c of sub-vector m. Kept as numpy, so it
+    pickles to Ray actors; FAISS's quantizer for encoding is rebuilt from it on first use."""
 
     centroids: np.ndarray  # (subvectors, 256, key_dim / subvectors) float32
 

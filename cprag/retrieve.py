@@ -30,7 +30,7 @@ APPROXIMATE_ABOVE = 100_000
 # An IVF keeps every vector in memory, 1,536 B each (3 GB at 2M passages, 15 GB at 10M); above this many passages
 # its vectors are stored as 8-bit scalars (384 B each), which at 300k clustered synthetic passages kept recall@5
 # against exact at 0.985 and searched faster. PQ was worse at a like size: 48 codes with an 8-bit re-ranking of
-# the top 50 reached 0.90 (`eval/scale/report.md`).
+# the top 50 reached 0.90 (`eval/scale/sq8/report.md`).
 COMPRESSED_ABOVE = 2_000_000
 
 

@@ -1,9 +1,11 @@
 """The index directory: a LanceDB table of passages with their CP keys, a FAISS index, and a manifest.
 
     DIR/manifest.json      format version, model fingerprint, key dim, retriever, counts, bytes per token
-    DIR/lancedb/passages   one row per passage: ids, title, text, token ids + offsets, keys (fp16 or int8), embedding
+    DIR/lancedb/passages   one row per passage: ids, title, text, token ids + offsets, keys (fp16, int8 or pq
+                           codes), embedding
     DIR/faiss-vN.index     inner-product index over passage embeddings of table version N (row i = FAISS id i)
     DIR/faiss-vN.ids.json  passage id of each FAISS row, and N
+    DIR/keys-pq.npy        with pq keys: the codebook every stored code refers to (cprag.key_codec)
 
 Rows are written in chunks, each one LanceDB commit, so an interrupted build keeps every finished chunk and a
 rerun skips them. The manifest is the commit point: it names the LanceDB table version that the FAISS files were
