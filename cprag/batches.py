@@ -2,8 +2,10 @@
 
 Hidden form: a batch of questions shares one set of passages (their gold passages plus same-article extras), each
 question attending only to its own gold passage and `distractors` others, so every passage's keys are computed
-once per batch. A no-answer question sees `distractors + 1` passages without its gold one, and its target is to
-stop at once with the copy mass on the sink (see cprag.train). Visible form: one question at a time, its passages
+once per batch. A no-answer question sees `distractors + 1` passages without its gold one, or (`in_passage`) its
+gold passage with the answer's sentences hidden plus `distractors` others: the passages are about the question
+but do not hold its answer, as a SQuAD 2.0 unanswerable question is written. Either way its target is to stop at
+once with the copy mass on the sink (see cprag.train). Visible form: one question at a time, its passages
 in the prompt (`visible_prompt_layout`), as visible decoding builds it.
 """
 
@@ -39,7 +41,7 @@ class Batch:
     prev_source: torch.Tensor  # (B, Q) memory entry of the previous answer token, -1 for the first
     gold_entries: torch.Tensor  # (B, Q) the external entry each target is copied from (end: its twin), -1: none
     query_positions: torch.Tensor  # (B, Q) positions that predict the targets
-    no_answer: torch.Tensor  # (B,) bool: the memory lacks the gold passage
+    no_answer: torch.Tensor  # (B,) bool: the memory lacks the gold passage, or its answer's sentences
     passage_keys: list[str]  # (N) the batch's distinct passages (p/<pid>)
     memory_ids: torch.Tensor  # (N, Tp) [BOS, t_1 .. t_n], right padded
     memory_mask: torch.Tensor  # (N, Tp) bool
@@ -75,9 +77,14 @@ def distractor_pool(questions: list[TrainQuestion], passages: dict[str, PassageT
 
 def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], passages: dict[str, PassageTokens],
                pool: dict[str, list[str]], distractors: int, bos_id: int, rng: random.Random, no_answer: list[bool],
-               end_weight: float = 1.0, lexicon: Lexicon | None = None, end_twins: bool = True) -> Batch:
+               end_weight: float = 1.0, lexicon: Lexicon | None = None, end_twins: bool = True,
+               in_passage: list[bool] | None = None, sentences: dict[str, torch.Tensor] | None = None) -> Batch:
     """Collate questions over one shared set of passages (see the module docstring). `end_twins`: the model has
-    "end here" entries, so the end of an answer is copied from a known entry too."""
+    "end here" entries, so the end of an answer is copied from a known entry too. `in_passage[i]` (with
+    `no_answer[i]`, and `sentences`: each passage's sentence number per token) hides only question i's answer
+    sentences; where the answer's tokens also occur in the rest of its passage, question i falls back to
+    distractors alone (the rest would answer it)."""
+    in_passage = in_passage or [False] * len(questions)
     golds = list(dict.fromkeys(q.passage_id for q in questions))
     extras = list(dict.fromkeys(p for q in questions for p in pool[q.passage_id] if p not in golds))
     rng.shuffle(extras)
@@ -95,11 +102,14 @@ def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], pa
     query_positions = torch.zeros((b, width_q), dtype=torch.long)
     visible = torch.zeros((b, len(memory), width), dtype=torch.bool)
     lengths = []
-    for row, (q, unanswerable) in enumerate(zip(questions, no_answer, strict=True)):
+    for row, (q, unanswerable, inside) in enumerate(zip(questions, no_answer, in_passage, strict=True)):
+        hidden = answer_sentences(q, passages[q.passage_id].ids, sentences) if unanswerable and inside else None
         others = [p for p in memory if p != q.passage_id]
-        seen = rng.sample(others, min(distractors + unanswerable, len(others)))
-        for pid in seen if unanswerable else [q.passage_id, *seen]:
+        seen = rng.sample(others, min(distractors + (unanswerable and hidden is None), len(others)))
+        for pid in seen if unanswerable and hidden is None else [q.passage_id, *seen]:
             visible[row, slot[pid]] = passage_mask[slot[pid]]
+        if hidden is not None:  # entry j pastes passage token j: the answer's sentences cannot be copied
+            visible[row, slot[q.passage_id], : hidden.shape[0]] &= ~hidden
         answer = [] if unanswerable else q.answer_ids
         n = len(answer) + 1  # answer tokens, then the end
         query_positions[row, :n] = torch.arange(q.prompt_len - 1, q.prompt_len - 1 + n)
@@ -126,6 +136,21 @@ def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], pa
         memory_ids=pad([torch.tensor([bos_id] + passages[p].ids) for p in memory]),
         memory_mask=passage_mask, question_memory_mask=visible.reshape(b, -1), prior=prior,
     )
+
+
+def answer_sentences(q: TrainQuestion, ids: list[int], sentences: dict[str, torch.Tensor] | None
+                     ) -> torch.Tensor | None:
+    """(n,) bool over the passage's tokens: the sentences that hold question `q`'s answer. None when the
+    answer's tokens occur again in the other sentences (hiding these would not make it unanswerable)."""
+    if sentences is None:
+        return None
+    numbers = sentences[q.passage_id]
+    hidden = (numbers >= numbers[q.span[0]]) & (numbers <= numbers[q.span[1]])
+    rest = [token if keep else -1 for token, keep in zip(ids, (~hidden).tolist(), strict=True)]
+    answer, n = q.answer_ids, len(q.answer_ids)
+    if any(rest[i : i + n] == answer for i in range(len(rest) - n + 1)):
+        return None
+    return hidden
 
 
 @dataclass

@@ -476,10 +476,14 @@ def train_command(
     end_weight: float = typer.Option(TRAIN_DEFAULTS.end_weight, "--end-weight", help="Loss weight of the end."),
     no_answer_fraction: float = typer.Option(TRAIN_DEFAULTS.no_answer_fraction, "--no-answer-fraction",
                                              help="Share of questions asked without their passage (stop at once)."),
+    no_answer_in_passage: float = typer.Option(TRAIN_DEFAULTS.no_answer_in_passage, "--no-answer-in-passage",
+                                               help="Share of those no-answer questions that see their own "
+                                               "passage with the answer's sentences hidden."),
     visible_every: int = typer.Option(TRAIN_DEFAULTS.visible_every, "--visible-every", help="Every N steps also "
                                       "train --visible-batch questions in the visible form (0: never)."),
     visible_batch: int = typer.Option(TRAIN_DEFAULTS.visible_batch, "--visible-batch"),
-    dtype: str = typer.Option(TRAIN_DEFAULTS.dtype, "--dtype", help="bfloat16 (autocast) or float32."),
+    dtype: str = typer.Option("auto", "--dtype", help="bfloat16 (autocast), float32, or auto: bf16 where the "
+                              "CPU has bf16 units (AMX or AVX512-BF16), else float32."),
     seed: int = typer.Option(TRAIN_DEFAULTS.seed, "--seed"),
     init_from: Path = typer.Option(None, "--init-from", help="Continue a finished run: start from this "
                                    "checkpoint's head and adapters (same head settings)."),
@@ -505,8 +509,8 @@ def train_command(
             "adapter_rank": adapter_rank}
     config = replace(TRAIN_DEFAULTS, epochs=epochs, max_steps=max_steps, max_questions=max_questions, lr=lr,
                      adapter_lr=adapter_lr, batch_size=batch_size, distractors=distractors, end_weight=end_weight,
-                     no_answer_fraction=no_answer_fraction, visible_every=visible_every,
-                     visible_batch=visible_batch, dtype=dtype, seed=seed, head=head,
+                     no_answer_fraction=no_answer_fraction, no_answer_in_passage=no_answer_in_passage,
+                     visible_every=visible_every, visible_batch=visible_batch, dtype=dtype, seed=seed, head=head,
                      init_from=str(init_from) if init_from else None, skip_steps=skip_steps)
     with _progress_bar(as_json) as progress:
         tasks: dict[str, int] = {}

@@ -18,7 +18,7 @@ from cprag.evaluate import sample_examples
 from cprag.features import Examples, activation_cache, prepare_examples
 from cprag.qa_eval import evaluate_oracle, summarize
 from cprag.squad import SquadData, article_split, read_squad
-from cprag.train import STATE_FILE, TrainData, teacher_forced_validation, train_model
+from cprag.train import STATE_FILE, TrainData, _article_grouped_order, teacher_forced_validation, train_model
 from cprag.train_config import TrainConfig
 
 
@@ -83,6 +83,15 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | No
                                  config.seed)
     figures["prepare/seconds"] = round(time.perf_counter() - tick, 1)
     return Prepared(model, tokenizer, train, validation, validation_data, articles, figures)
+
+
+def unseen_articles(data_path: str | Path, tokenizer, seen: int, seed: int = 0) -> set[str]:
+    """Articles of a training file none of whose questions are among the first `seen` of a run's first epoch
+    order (the run with this seed trained on those first)."""
+    questions = prepare_examples(tokenizer, read_squad(data_path)).questions
+    order = _article_grouped_order(questions, random.Random(seed))  # the run's first draw from its seeded rng
+    trained = {questions[i].article for i in order[:seen]}
+    return {q.article for q in questions} - trained
 
 
 def screen_variant(prepared: Prepared, config: TrainConfig, validation_limit: int = 2000) -> dict:

@@ -7,12 +7,11 @@ as good is measured (`eval/dtype_qa.py`, `eval/dtype/qa.json`), and `CPU_BF16_DE
 
 from __future__ import annotations
 
-import functools
 import os
-from pathlib import Path
 
 import torch
 
+from cprag.cpu_features import cpu_has_bf16_units
 from cprag.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -24,16 +23,6 @@ CPU_BF16_DEFAULT = True
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@functools.cache
-def cpu_has_bf16_units() -> bool:
-    """Whether this CPU has bf16 matrix or vector units (AMX-BF16, AVX512-BF16), from /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
 
 
 def resolve_dtype(device: str, dtype: str | None = None) -> torch.dtype:

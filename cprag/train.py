@@ -33,6 +33,7 @@ from cprag.batches import (
 from cprag.errors import CacheMismatch, ConfigError
 from cprag.features import Examples, TrainQuestion
 from cprag.generate import lexical_prior, prompt_passage_memory
+from cprag.lexical import sentence_ids
 from cprag.model import CopyMemory
 from cprag.prompt import prompt_ids
 from cprag.train_config import TrainConfig
@@ -72,6 +73,7 @@ class TrainData:
     lexicon: Lexicon | None
     pool: dict[str, list[str]]
     end_twins: bool
+    sentences: dict[str, torch.Tensor]  # passage id -> sentence number of each token (in-passage no-answers)
 
     @classmethod
     def build(cls, model, tokenizer, examples: Examples, cache: ActivationCache, distractors: int, seed: int,
@@ -88,15 +90,17 @@ class TrainData:
             raise CacheMismatch(str(cache.directory), f"{len(stale)} sequences (e.g. {stale[0]}) have other "
                                 "lengths than these examples: remove the folder to rebuild it")
         kept = Examples(passages, available, examples.skipped)
-        return cls(kept, cache, {q.qid: prompt_ids(tokenizer, q.question) for q in available},
-                   Lexicon.build(model.config, tokenizer, available, passages),
+        lexicon = Lexicon.build(model.config, tokenizer, available, passages)
+        sentences = lexicon.sentences if lexicon is not None and lexicon.sentences is not None else \
+            {pid: sentence_ids(tokenizer, p.ids) for pid, p in passages.items()}
+        return cls(kept, cache, {q.qid: prompt_ids(tokenizer, q.question) for q in available}, lexicon,
                    distractor_pool(available, passages, distractors + 1, random.Random(seed)),
-                   model.config.end_entries)
+                   model.config.end_entries, sentences)
 
     def batch(self, questions: list[TrainQuestion], distractors: int, bos_id: int, rng: random.Random,
-              no_answer: list[bool], end_weight: float = 1.0) -> Batch:
+              no_answer: list[bool], end_weight: float = 1.0, in_passage: list[bool] | None = None) -> Batch:
         return make_batch(questions, self.prompts, self.examples.passages, self.pool, distractors, bos_id, rng,
-                          no_answer, end_weight, self.lexicon, self.end_twins)
+                          no_answer, end_weight, self.lexicon, self.end_twins, in_passage, self.sentences)
 
 
 def batch_forward(model, batch: Batch, cache: ActivationCache, start: int, dtype: str, **targets):
@@ -261,7 +265,11 @@ def train_model(
         chosen = [questions[i] for i in order[: config.batch_size]]
         order = order[config.batch_size :]
         no_answer = [rng.random() < config.no_answer_fraction for _ in chosen]
-        batch = data.batch(chosen, config.distractors, tokenizer.bos_token_id, rng, no_answer, config.end_weight)
+        # drawn only when used, so runs without in-passage no-answers keep their seeded order
+        in_passage = [u and rng.random() < config.no_answer_in_passage for u in no_answer] \
+            if config.no_answer_in_passage else None
+        batch = data.batch(chosen, config.distractors, tokenizer.bos_token_id, rng, no_answer, config.end_weight,
+                           in_passage)
         loss = batch_loss(model, batch, data.cache, start, config.dtype, config.pointer_weight)
         optimizer.zero_grad()
         loss.backward()

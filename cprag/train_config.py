@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cprag.cpu_features import fastest_cpu_dtype
 from cprag.errors import ConfigError
 
 DTYPES = ("bfloat16", "float32")
@@ -26,6 +27,9 @@ class TrainConfig:
     pointer_weight: float = 1.0
     # share of training questions asked with a memory that lacks their gold passage: stop at once, copy nothing
     no_answer_fraction: float = 0.2
+    # share of those no-answer questions that see their own passage with the answer's sentences hidden (plus the
+    # usual distractors) instead of distractors alone: passages about the question that do not answer it
+    no_answer_in_passage: float = 0.0
     seed: int = 0
     # validation articles carved from the training file, when no separate validation file is given
     validation_fraction: float = 0.2
@@ -35,10 +39,11 @@ class TrainConfig:
     max_questions: int | None = None
     # blocks below this one are frozen and cached once (cprag.activations); adapters must sit at or above it
     cache_layer: int = 24
-    # what the training steps and the activation cache compute in: bf16 autocast (the CPU's bf16 matrix units)
-    # or fp32; the cache keeps float16 either way
-    dtype: str = "bfloat16"
-    cache_dtype: str = "bfloat16"
+    # what the training steps and the activation cache compute in: bf16 autocast or fp32; "auto" (the default)
+    # is bf16 where the CPU has bf16 units and fp32 where it would emulate them (cprag.cpu_features), and the
+    # config records which; the cache keeps float16 either way
+    dtype: str = "auto"
+    cache_dtype: str = "auto"
     # every `visible_every` steps (0: never), `visible_batch` questions also train the visible form: passages in
     # the prompt, copied from their prompt keys as visible decoding does (the frozen blocks run for each)
     visible_every: int = 8
@@ -56,6 +61,8 @@ class TrainConfig:
     })
 
     def __post_init__(self):
+        self.dtype = fastest_cpu_dtype() if self.dtype == "auto" else self.dtype
+        self.cache_dtype = fastest_cpu_dtype() if self.cache_dtype == "auto" else self.cache_dtype
         checks = [("--epochs", self.epochs, self.epochs > 0), ("--lr", self.lr, self.lr > 0),
                   ("--adapter-lr", self.adapter_lr, self.adapter_lr >= 0),
                   ("--scalar-lr-scale", self.scalar_lr_scale, self.scalar_lr_scale > 0),
@@ -64,6 +71,7 @@ class TrainConfig:
                   ("--end-weight", self.end_weight, self.end_weight > 0),
                   ("--pointer-weight", self.pointer_weight, self.pointer_weight >= 0),
                   ("--no-answer-fraction", self.no_answer_fraction, 0 <= self.no_answer_fraction < 1),
+                  ("--no-answer-in-passage", self.no_answer_in_passage, 0 <= self.no_answer_in_passage <= 1),
                   ("--validation-fraction", self.validation_fraction, 0 < self.validation_fraction < 1),
                   ("--max-steps", self.max_steps, self.max_steps is None or self.max_steps >= 1),
                   ("--max-questions", self.max_questions, self.max_questions is None or self.max_questions >= 1),

@@ -43,7 +43,7 @@ RMS-normalised states of layers {cp_layers}, and the query-time lexical features
 ## Data
 Training: `{data}` ({questions} questions after alignment; {skipped}). Validation: `{validation}` (SQuAD v1.1 dev,
 public half), never trained on. No-answer examples: {no_answer:.0%} of training questions are asked with a memory
-that lacks their passage, and trained to stop at once with the copy mass on the sink. CC BY-SA 4.0 text.
+that lacks their passage{in_passage}, and trained to stop at once with the copy mass on the sink. CC BY-SA 4.0 text.
 
 ## Config
 ```json
@@ -84,6 +84,8 @@ def model_card(metrics: dict, squad2: dict, config: TrainConfig, out: Path) -> s
         adapters=config.head.get("adapter_layers"), rank=config.head.get("adapter_rank"),
         cp_layers=config.head.get("cp_layers"), data=train_config["data"], questions=metrics["train/questions"],
         skipped=skipped, validation=train_config["validation_data"], no_answer=config.no_answer_fraction,
+        in_passage=(f" ({config.no_answer_in_passage:.0%} of them: their own passage with the answer's sentences "
+                    "hidden, plus distractors)") if config.no_answer_in_passage else "",
         config=json.dumps(train_config["train"], indent=2), steps=metrics["train/steps"], batch=config.batch_size,
         cache_gb=metrics.get("cache/bytes", 0) / 1e9,
         cache_note=(f"was built in this run: {metrics['cache/tokens_built']:,} tokens in {metrics['cache/seconds']} s"

@@ -341,3 +341,50 @@ def test_adapter_layers_flag_parses_ranges_lists_and_none():
     assert parse_layers("24,26, 28") == [24, 26, 28] and parse_layers("none") == []
     with pytest.raises(ConfigError, match="--adapter-layers"):
         parse_layers("top")
+
+
+def test_in_passage_no_answers_hide_only_the_answer_sentences_unless_the_answer_recurs():
+    import random
+
+    from cprag.batches import answer_sentences, make_batch
+    from cprag.features import PassageTokens, TrainQuestion
+
+    # passage tokens 10..17 in three sentences: [10 11 .] [12 13 14 .] [15 16]; 90 stands for "."
+    ids = [10, 11, 90, 12, 13, 14, 90, 15, 16]
+    sentences = {"A#0": torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2]), "A#1": torch.tensor([0, 0]),
+                 "A#2": torch.tensor([0, 0])}
+    passages = {"A#0": PassageTokens(ids, [(0, 0)] * len(ids)), "A#1": PassageTokens([20, 21], [(0, 0)] * 2),
+                "A#2": PassageTokens([30, 31], [(0, 0)] * 2)}
+    q = TrainQuestion("q", "A#0", "?", prompt_len=3, span=(4, 5), answer_ids=[13, 14], end_id=99)
+    hidden = answer_sentences(q, ids, sentences)
+    assert hidden.tolist() == [False, False, False, True, True, True, True, False, False]
+    recurring = TrainQuestion("r", "A#0", "?", prompt_len=3, span=(3, 3), answer_ids=[12], end_id=99)
+    assert answer_sentences(recurring, ids[:7] + [12, 16], sentences) is None  # token 12 again in sentence 2
+    assert answer_sentences(q, ids, None) is None
+
+    pool = {"A#0": ["A#1", "A#2"]}
+    batch = make_batch([q, q, q], {"q": [1, 2, 3]}, passages, pool, 1, 0, random.Random(0),
+                       [True, True, False], in_passage=[True, False, False], sentences=sentences)
+    width = batch.memory_ids.shape[1]
+    slot = [k.split("/", 1)[1] for k in batch.passage_keys].index("A#0")
+    seen = batch.question_memory_mask.view(3, -1, width)
+    # row 0: its own passage minus the answer sentence (entry j pastes token j), the end entry, one distractor
+    assert seen[0, slot, : len(ids) + 1].tolist() == [True, True, True, False, False, False, False, True, True, True]
+    assert seen[0].any(-1).sum() == 2
+    assert not seen[1, slot].any() and seen[1].any(-1).sum() == 2  # distractors alone
+    assert seen[2, slot, : len(ids) + 1].all()  # answerable: the whole gold passage
+    assert batch.no_answer.tolist() == [True, True, False]
+    assert batch.targets[0, 0] == 99 and (batch.gold_entries[0] == -1).all()
+    with pytest.raises(ConfigError, match="--no-answer-in-passage"):
+        TrainConfig(no_answer_in_passage=1.5)
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_units():
+    from cprag.cpu_features import cpu_has_bf16_units
+
+    expected = "bfloat16" if cpu_has_bf16_units() else "float32"
+    config = TrainConfig()
+    assert config.dtype == config.cache_dtype == expected
+    assert TrainConfig(dtype="float32", cache_dtype="bfloat16").cache_dtype == "bfloat16"  # an explicit choice stays
+    with pytest.raises(ConfigError, match="--dtype"):
+        TrainConfig(dtype="float16")

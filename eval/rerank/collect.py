@@ -26,18 +26,8 @@ from cprag.evaluate import sample_examples
 from cprag.generate import generate, lexical_prior, shared_memory
 from cprag.metrics import squad2_question_scores
 from cprag.qa_eval import OracleMemory, oracle_passage_ids
+from cprag.recipe import unseen_articles
 from cprag.squad import read_squad
-
-
-def unseen_articles(data_path: Path, tokenizer, seen: int, seed: int = 0) -> set[str]:
-    """Articles none of whose questions are among the first `seen` of the training run's first epoch order."""
-    from cprag.features import prepare_examples
-    from cprag.train import _article_grouped_order
-
-    questions = prepare_examples(tokenizer, read_squad(data_path)).questions
-    order = _article_grouped_order(questions, random.Random(seed))  # the run's first draw from its seeded rng
-    trained = {questions[i].article for i in order[:seen]}
-    return {q.article for q in questions} - trained
 
 
 def main(argv: list[str] | None = None) -> int:
