@@ -104,9 +104,10 @@ def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], pa
     lengths = []
     for row, (q, unanswerable, inside) in enumerate(zip(questions, no_answer, in_passage, strict=True)):
         hidden = answer_sentences(q, passages[q.passage_id].ids, sentences) if unanswerable and inside else None
+        without_gold = unanswerable and hidden is None  # one more distractor in its place
         others = [p for p in memory if p != q.passage_id]
-        seen = rng.sample(others, min(distractors + (unanswerable and hidden is None), len(others)))
-        for pid in seen if unanswerable and hidden is None else [q.passage_id, *seen]:
+        seen = rng.sample(others, min(distractors + without_gold, len(others)))
+        for pid in seen if without_gold else [q.passage_id, *seen]:
             visible[row, slot[pid]] = passage_mask[slot[pid]]
         if hidden is not None:  # entry j pastes passage token j: the answer's sentences cannot be copied
             visible[row, slot[q.passage_id], : hidden.shape[0]] &= ~hidden
