@@ -13,6 +13,7 @@ from cprag.cache import KeyCache
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.generate import MODES, Citation, generate
+from cprag.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior
 from cprag.prompt import prompt_ids
 from cprag.prompt_prefix import PromptPrefix, prompt_prefix
 from cprag.rerank import RERANKER_FILE, StartReranker
@@ -84,6 +85,8 @@ class Index:
         # the checkpoint's StartReranker (cprag.rerank), which chooses among start-beam answers; None: the likeliest
         # (a model handed in without its checkpoint directory has none)
         self.reranker = None if model_given and checkpoint is None else load_reranker(checkpoint, model.config)
+        # the checkpoint's passage prior weight (cprag.passage_prior): retrieval scores added to the copy scores
+        self.passage_prior = 0.0 if model_given and checkpoint is None else load_passage_prior(checkpoint)
         self._prefix: PromptPrefix | None = None
 
     @property
@@ -101,7 +104,7 @@ class Index:
         `Index` keeps the version it opened; a long-lived server reopens when `cprag index` commits)."""
         fresh = Index(self.path, checkpoint=self.checkpoint, device=self.device, model=self.model,
                       tokenizer=self.tokenizer, cache_bytes=self.cache.max_bytes, fingerprint=self.fingerprint)
-        fresh.reranker, fresh._prefix = self.reranker, self._prefix
+        fresh.reranker, fresh._prefix, fresh.passage_prior = self.reranker, self._prefix, self.passage_prior
         return fresh
 
     def retrieve(self, questions: list[str], k: int):
@@ -113,19 +116,21 @@ class Index:
 
     def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
             min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
-            start_beam: int = START_BEAM) -> Answer:
+            start_beam: int = START_BEAM, passage_prior: float | None = None) -> Answer:
         """Answer from the k retrieved passages. Withheld as "no answer": questions whose best passage scores
         below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
         `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0). `start_beam` first tokens are decoded
-        and the checkpoint's start reranker (`self.reranker`; without one, the likeliest) picks the answer."""
+        and the checkpoint's start reranker (`self.reranker`; without one, the likeliest) picks the answer.
+        `passage_prior` weighs the retrieval scores into the copy scores (default: the checkpoint's; 0: off)."""
         return self.ask_many([question], k, mode, max_new_tokens, min_confidence, min_retrieval_score, start_beam,
-                             batch_size=1)[0]
+                             batch_size=1, passage_prior=passage_prior)[0]
 
     def ask_many(self, questions: list[str], k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
                  min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
                  start_beam: int = START_BEAM, batch_size: int = BATCH_SIZE,
                  on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
-                 cancelled: Callable[[int], bool] | None = None) -> list[Answer]:
+                 cancelled: Callable[[int], bool] | None = None, passage_prior: float | None = None
+                 ) -> list[Answer]:
         """`ask` for each question, with `batch_size` questions decoded per backbone pass (hidden mode, greedy):
         the same answers as one at a time, in fewer passes. Every question is checked before any is answered.
 
@@ -133,11 +138,12 @@ class Index:
         `cancelled(i)` stops question i early (`cprag.batch_generate.generate_batch`)."""
         threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
                                 max_new_tokens)
+        weight = self.passage_prior if passage_prior is None else check_passage_prior(passage_prior)
         tick = time.perf_counter()
         hits = self.retrieve(questions, k) if mode != "closed" else [[] for _ in questions]
         retrieve_ms = (time.perf_counter() - tick) * 1000 / len(questions)
         answers: list[Answer | None] = [None] * len(questions)
-        pending = []  # (question index, passages, read, timings) of the questions to decode
+        pending = []  # (question index, passages, read, timings, retrieval scores) of the questions to decode
         for number, (question, found) in enumerate(zip(questions, hits, strict=True)):
             timings = {"retrieve": retrieve_ms}
             tick = time.perf_counter()
@@ -151,7 +157,7 @@ class Index:
                                          copy_rate=0.0, no_answer=True, no_answer_reason="retrieval",
                                          timings_ms={name: round(ms, 1) for name, ms in timings.items()})
             else:
-                pending.append((number, passages, read, timings))
+                pending.append((number, passages, read, timings, [h.score for h in found]))
         streaming = on_token is not None or cancelled is not None
         batched = (batch_size > 1 or streaming) and start_beam == 1 and batch_supported(self.model, mode)
         # batched: one continuous batch of at most batch_size rows, refilled as answers finish
@@ -164,16 +170,17 @@ class Index:
                 generations = generate_batch(
                     self.model, self.tokenizer, [questions[n] for n in numbers], [p for _, p, *_ in group],
                     max_new_tokens, min_confidence=threshold, prefix=self.prefix, max_rows=batch_size,
+                    passage_scores=[scores for *_, scores in group], passage_prior=weight,
                     on_token=None if on_token is None else
                     lambda row, token, source, numbers=numbers: on_token(numbers[row], token, source),
                     cancelled=None if cancelled is None else lambda row, numbers=numbers: cancelled(numbers[row]))
             else:
                 generations = [generate(self.model, self.tokenizer, questions[n], p, mode, max_new_tokens,
                                         min_confidence=threshold, start_beam=start_beam, reranker=self.reranker,
-                                        prefix=self.prefix)
-                               for n, p, *_ in group]
+                                        prefix=self.prefix, passage_scores=scores, passage_prior=weight)
+                               for n, p, *_, scores in group]
             generate_ms = (time.perf_counter() - tick) * 1000 / len(group)  # the batch's time, shared evenly
-            for (number, _, read, timings), generation in zip(group, generations, strict=True):
+            for (number, _, read, timings, _), generation in zip(group, generations, strict=True):
                 timings["generate"] = generate_ms
                 timings["total"] = sum(timings.values())
                 answers[number] = Answer(
@@ -223,6 +230,22 @@ def load_reranker(checkpoint: str | Path | None, model_config) -> StartReranker 
         raise CheckpointError(str(directory), f"{RERANKER_FILE} reads {len(reranker.weights)} features, not what "
                               "this checkpoint's lexical features give: it belongs to another checkpoint")
     return reranker
+
+
+def load_passage_prior(checkpoint: str | Path | None) -> float:
+    """The passage prior weight shipped beside a checkpoint (default: the shipped one's); 0 without one."""
+    directory = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    try:
+        prior = PassagePrior.load(directory)
+    except (ValueError, TypeError, json.JSONDecodeError) as error:
+        raise CheckpointError(str(directory), f"unreadable {PASSAGE_PRIOR_FILE}: {error}") from None
+    return 0.0 if prior is None else prior.weight
+
+
+def check_passage_prior(weight: float) -> float:
+    if not weight >= 0:
+        raise ConfigError("--passage-prior", weight, "must be at least 0 (0 turns the prior off)")
+    return float(weight)
 
 
 def ask(question: str, index: str | Path, k: int = 5, mode: str = "hidden", **kwargs) -> Answer:

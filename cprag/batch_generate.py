@@ -17,7 +17,7 @@ with a query refiner (whose window would read the padding) is decoded one questi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -41,6 +41,7 @@ from cprag.generate import (
 )
 from cprag.lexical import inside_word
 from cprag.model import ContextState, CopyMemory
+from cprag.passage_prior import passage_bias
 from cprag.prompt import end_of_turn_id, prompt_ids
 from cprag.prompt_prefix import PromptPrefix
 
@@ -67,6 +68,7 @@ class _Row:
     no_answer: bool = False
     done: bool = False
     on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None
+    passage_scores: Sequence[float] | None = None  # the retriever's score of each passage (the passage prior)
 
 
 def batch_supported(model, mode: str) -> bool:
@@ -79,7 +81,9 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
                    max_new_tokens: int = 32, whole_words: bool = True, min_confidence: float = 0.0,
                    mode: str = "hidden", on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
                    cancelled: Callable[[int], bool] | None = None, draft_tokens: int = 8,
-                   prefix: PromptPrefix | None = None, max_rows: int | None = None) -> list[Generation]:
+                   prefix: PromptPrefix | None = None, max_rows: int | None = None,
+                   passage_scores: list[Sequence[float] | None] | None = None, passage_prior: float = 0.0
+                   ) -> list[Generation]:
     """Greedy answers to `questions`, question i from `passages[i]`, decoded together: the same answers,
     sources, confidences and citations as `generate` gives each question alone.
 
@@ -89,13 +93,18 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
 
     `max_rows` caps the rows decoded together (default: all the questions at once). With a cap, the batch is
     continuous: whenever half its rows have finished, the next questions' prompts are run and join it, so a
-    long answer does not hold back the questions after it."""
+    long answer does not hold back the questions after it.
+
+    `passage_scores[i]` (the retriever's score of each of question i's passages) with `passage_prior` > 0 adds
+    the passage prior (`cprag.passage_prior`) to question i's copy scores."""
     if len(questions) != len(passages):
         raise ValueError(f"{len(questions)} questions but {len(passages)} passage lists")
+    scores = passage_scores if passage_scores is not None else [None] * len(questions)
     if not batch_supported(model, mode) or (len(questions) == 1 and on_token is None and cancelled is None):
         return [generate(model, tokenizer, q, p, mode, max_new_tokens, whole_words=whole_words,
-                         min_confidence=min_confidence, draft_tokens=draft_tokens, prefix=prefix)
-                for q, p in zip(questions, passages, strict=True)]
+                         min_confidence=min_confidence, draft_tokens=draft_tokens, prefix=prefix,
+                         passage_scores=s, passage_prior=passage_prior)
+                for q, p, s in zip(questions, passages, scores, strict=True)]
     window = model.config.max_position_embeddings
     prompts = [prompt_ids(tokenizer, q) for q in questions]
     for prompt in prompts:
@@ -108,10 +117,11 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
         continues = inside_word(tokenizer, memory.ids[0]) if memory is not None and whole_words else None
         memory_ids = [] if memory is None else memory.ids[0].tolist()
         rows.append(_Row(len(rows), prompt, shards, owner, position, continues, memory_ids, [], [], [], [],
-                         on_token=on_token))
+                         on_token=on_token, passage_scores=scores[len(rows)]))
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
     setup = SimpleNamespace(model=model, tokenizer=tokenizer, questions=questions, rows=rows, prefix=prefix,
-                            device=device, stop=stop, min_confidence=min_confidence, max_new_tokens=max_new_tokens)
+                            device=device, stop=stop, min_confidence=min_confidence, max_new_tokens=max_new_tokens,
+                            passage_prior=passage_prior)
     max_rows = len(rows) if max_rows is None else max_rows
     waiting, running = list(range(len(rows))), None  # questions not yet started; the batch being decoded
     while True:
@@ -182,7 +192,7 @@ def _start(setup, numbers: list[int]) -> _Running:
     """Run the prompts of questions `numbers` (one pass) and choose each one's first token."""
     rows, device, prefix = [setup.rows[n] for n in numbers], setup.device, setup.prefix
     memory, sizes = _batch_memory(setup.model, setup.tokenizer, [setup.questions[n] for n in numbers],
-                                  [row.passages for row in rows], rows, device)
+                                  [row.passages for row in rows], rows, device, setup.passage_prior)
     batch, unused = len(rows), None
     if prefix is not None and all(prefix.fits(row.prompt) for row in rows):
         # the fixed beginning from its cache, then each row's own tokens, right padded (rolled left below)
@@ -283,24 +293,23 @@ def _joined_memory(a: CopyMemory | None, b: CopyMemory | None, rows_a: int, rows
     larger size."""
     if a is None and b is None:
         return None
-    like = a if a is not None else b
     size = max(m.size for m in (a, b) if m is not None)
 
-    def padded(memory: CopyMemory | None, batch: int, field: str):
-        value = getattr(like, field)
-        if value is None:
-            return None
-        if memory is None:  # rows without passages: every entry masked
-            return value.new_zeros((batch, size, *value.shape[2:]))
-        value = getattr(memory, field)
+    def padded(memory: CopyMemory | None, batch: int, field: str, like: torch.Tensor):
+        value = None if memory is None else getattr(memory, field)
+        if value is None:  # rows without passages (every entry masked), or without this field (a bias of 0)
+            return like.new_zeros((batch, size, *like.shape[2:]))
         return torch.cat([value, value.new_zeros((value.shape[0], size - value.shape[1], *value.shape[2:]))], 1)
 
-    fields = {f: torch.cat([padded(a, rows_a, f), padded(b, rows_b, f)])
-              for f in ("keys", "ids", "mask", "prior", "end_allowed") if getattr(like, f) is not None}
+    fields = {}
+    for field in ("keys", "ids", "mask", "prior", "end_allowed", "bias"):
+        like = next((getattr(m, field) for m in (a, b) if m is not None and getattr(m, field) is not None), None)
+        if like is not None:
+            fields[field] = torch.cat([padded(a, rows_a, field, like), padded(b, rows_b, field, like)])
     return CopyMemory(**fields)
 
 
-def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], device
+def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], device, passage_prior: float = 0.0
                   ) -> tuple[CopyMemory | None, list[int]]:
     """(B, M, ...) memory: each row's passages, padded to the longest row and masked; and each row's size."""
     sizes = [sum(len(p.ids) for p in shards) for shards in passages]
@@ -312,7 +321,7 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
     ids = torch.zeros((batch, size), dtype=torch.long, device=device)
     mask = torch.zeros((batch, size), dtype=torch.bool, device=device)
     end_allowed = torch.zeros((batch, size), dtype=torch.bool, device=device)
-    prior = None
+    prior, bias = None, None
     for i, (question, shards, row) in enumerate(zip(questions, passages, rows, strict=True)):
         if not shards:
             continue
@@ -326,7 +335,12 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
             if prior is None:
                 prior = torch.zeros((batch, size, features.shape[-1]), dtype=features.dtype, device=device)
             prior[i, :n] = features[0]
-    return CopyMemory(keys=keys, ids=ids, mask=mask, prior=prior, end_allowed=end_allowed), sizes
+        row_bias = passage_bias(row.passage_scores, [len(p.ids) for p in shards], passage_prior, device)
+        if row_bias is not None:
+            if bias is None:
+                bias = torch.zeros((batch, size), dtype=row_bias.dtype, device=device)
+            bias[i, :n] = row_bias[0]
+    return CopyMemory(keys=keys, ids=ids, mask=mask, prior=prior, end_allowed=end_allowed, bias=bias), sizes
 
 
 def _select(context, memory: CopyMemory | None, next_position: torch.Tensor, keep: list[int]):
@@ -341,7 +355,8 @@ def _select(context, memory: CopyMemory | None, next_position: torch.Tensor, kee
     if memory is not None:
         memory = CopyMemory(keys=memory.keys[index], ids=memory.ids[index], mask=memory.mask[index],
                             prior=None if memory.prior is None else memory.prior[index],
-                            end_allowed=None if memory.end_allowed is None else memory.end_allowed[index])
+                            end_allowed=None if memory.end_allowed is None else memory.end_allowed[index],
+                            bias=None if memory.bias is None else memory.bias[index])
     return context, memory, next_position[index]
 
 

@@ -248,6 +248,10 @@ START_BEAM_OPTION = typer.Option(None, "--start-beam", help="Decode from this ma
                                   "answer with the one the checkpoint's start reranker picks (the likeliest without "
                                   "one); 4: +1.7 F1 on SQuAD dev at 2.4x the decode time (default: 1, greedy).")
 
+PASSAGE_PRIOR_OPTION = typer.Option(None, "--passage-prior", help="Weight of each passage's retrieval score in the "
+                                    "copy scores (hidden mode): passages less similar to the question are pushed "
+                                    "down by this many nats per unit of cosine (default: the checkpoint's; 0: off).")
+
 
 @app.command("ask")
 @reports_errors
@@ -266,6 +270,7 @@ def ask_command(
                                               "answer, without decoding, when the best passage's retrieval score "
                                               "is below this (default 0.25, measured on SQuAD; -1 never)."),
     start_beam: int = START_BEAM_OPTION,
+    passage_prior: float = PASSAGE_PRIOR_OPTION,
     batch_size: int = typer.Option(None, "--batch-size", help="With --questions: questions decoded per backbone "
                                    "pass (default: cprag.api.BATCH_SIZE; same answers as one at a time)."),
     checkpoint: Path = CHECKPOINT_OPTION,
@@ -288,6 +293,10 @@ def ask_command(
         raise ConfigError("--start-beam", start_beam, "must be at least 1")
     if batch_size < 1:
         raise ConfigError("--batch-size", batch_size, "must be at least 1")
+    if passage_prior is not None:
+        from cprag.api import check_passage_prior
+
+        check_passage_prior(passage_prior)
     if dtype is not None:
         from cprag.runtime import resolve_dtype
 
@@ -306,7 +315,8 @@ def ask_command(
     for first in range(0, len(batch), batch_size):
         for answer in opened.ask_many(batch[first : first + batch_size], k=k, mode=mode,
                                       max_new_tokens=max_new_tokens, min_confidence=min_confidence,
-                                      min_retrieval_score=floor, start_beam=start_beam, batch_size=batch_size):
+                                      min_retrieval_score=floor, start_beam=start_beam, batch_size=batch_size,
+                                      passage_prior=passage_prior):
             if as_json:
                 emit_json(answer.to_json())
             else:
@@ -581,6 +591,7 @@ def eval_squad_command(
                                   "training held out (named in its train_config.json)."),
     min_confidence: float = MIN_CONFIDENCE_EVAL,
     start_beam: int = START_BEAM_OPTION,
+    passage_prior: float = PASSAGE_PRIOR_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
     keys: str = typer.Option("fp16", "--keys", help="With --oracle: answer from the keys as an index storing them "
                              "this way (fp16, int8 or pq, as cprag index --keys) gives them back."),
@@ -606,7 +617,7 @@ def eval_squad_command(
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
                              start_beam=START_BEAM if start_beam is None else start_beam, batch_size=batch_size,
                              articles=tuple(held_out_articles(checkpoint)) if held_out else None, key_codec=keys,
-                             pq_subvectors=pq_subvectors)
+                             pq_subvectors=pq_subvectors, passage_prior=passage_prior or 0.0)
     with err.status("loading the model"):
         if index is not None:
             from cprag.api import Index
@@ -620,6 +631,10 @@ def eval_squad_command(
             opened = None
             model, tokenizer = load_model(checkpoint)
     reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
+    if passage_prior is None:  # the checkpoint's
+        from cprag.api import load_passage_prior
+
+        config.passage_prior = load_passage_prior(checkpoint)
     summary, results = _answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
         data, config, model, tokenizer, opened, progress, result, reranker))
     split = ", held-out articles" if held_out else ""
@@ -643,6 +658,7 @@ def eval_squad2_command(
     seed: int = typer.Option(0, "--seed"),
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers below this confidence "
                                          "(default: the checkpoint's)."),
+    passage_prior: float = PASSAGE_PRIOR_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plot go."),
     checkpoint: Path = CHECKPOINT_OPTION,
@@ -661,9 +677,13 @@ def eval_squad2_command(
     if not oracle:
         raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed,
-                             batch_size=batch_size)
+                             batch_size=batch_size, passage_prior=passage_prior or 0.0)
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
+    if passage_prior is None:  # the checkpoint's
+        from cprag.api import load_passage_prior
+
+        config.passage_prior = load_passage_prior(checkpoint)
     threshold = model.config.min_confidence if min_confidence is None else min_confidence
     if not 0.0 <= threshold <= 1.0:
         raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")

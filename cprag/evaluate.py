@@ -34,6 +34,7 @@ class SquadEvalConfig:
     batch_size: int = 1  # hidden-mode questions decoded per backbone pass (latency is then a batch's share)
     key_codec: str = "float16"  # with --oracle: the keys as an index storing them this way gives them back
     pq_subvectors: int | None = None  # with key_codec "pq": codes per key (None: cprag.key_codec.pq_subvectors)
+    passage_prior: float = 0.0  # weight of the retrieval scores in the copy scores (cprag.passage_prior; 0: off)
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
@@ -50,6 +51,8 @@ class SquadEvalConfig:
             raise ConfigError("--start-beam", self.start_beam, "must be at least 1")
         if self.batch_size < 1:
             raise ConfigError("--batch-size", self.batch_size, "must be at least 1")
+        if not self.passage_prior >= 0:
+            raise ConfigError("--passage-prior", self.passage_prior, "must be at least 0 (0 turns the prior off)")
 
 
 def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):
@@ -95,7 +98,7 @@ def evaluate_squad(
                                   config.seed, config.max_new_tokens, on_result=tick,
                                   min_confidence=config.min_confidence, start_beam=config.start_beam,
                                   batch_size=config.batch_size, reranker=reranker, key_codec=config.key_codec,
-                                  pq_subvectors=config.pq_subvectors)
+                                  pq_subvectors=config.pq_subvectors, passage_prior=config.passage_prior)
         extra["eval/keys"] = config.key_codec
         if config.key_codec == "pq":
             extra["eval/pq_subvectors"] = config.pq_subvectors or pq_subvectors(model.config.key_dim)
@@ -107,6 +110,7 @@ def evaluate_squad(
         summary[f"latency/{mode}/p50_ms"] = round(float(np.percentile(latencies, 50)), 1)
         summary[f"latency/{mode}/p90_ms"] = round(float(np.percentile(latencies, 90)), 1)
     summary.update(extra)
+    summary["eval/passage_prior"] = config.passage_prior
     summary["eval/questions"] = len(examples)
     summary["eval/source"] = "index" if index is not None else "oracle"
     summary["eval/articles"] = "held-out" if config.articles is not None else "all"
@@ -147,7 +151,8 @@ def _evaluate_with_index(index, examples, config: SquadEvalConfig, tick) -> tupl
             misses = index.cache.misses
             tick_start = time.perf_counter()
             answer = index.ask(example.question, k=config.k, mode=mode, max_new_tokens=config.max_new_tokens,
-                               min_confidence=config.min_confidence, start_beam=config.start_beam)
+                               min_confidence=config.min_confidence, start_beam=config.start_beam,
+                               passage_prior=config.passage_prior)
             latency = (time.perf_counter() - tick_start) * 1000
             retrieved = [p["doc_id"] for p in answer.passages]
             if mode != "closed":

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ from cprag.lexical import (
     word_ids,
 )
 from cprag.model import CopyMemory
+from cprag.passage_prior import passage_bias
 from cprag.prompt import end_of_turn_id, prompt_ids, visible_prompt_layout
 from cprag.prompt_prefix import PromptPrefix
 from cprag.rerank import SpanCandidate, StartReranker
@@ -105,6 +107,8 @@ def generate(
     length_penalty: float = 0.0,
     reranker: StartReranker | None = None,
     prefix: PromptPrefix | None = None,
+    passage_scores: Sequence[float] | None = None,
+    passage_prior: float = 0.0,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
 
@@ -134,6 +138,9 @@ def generate(
 
     `prefix` (`cprag.prompt_prefix`), computed once for this model, spares the prompt pass the fixed beginning
     every hidden and closed-book prompt shares; the answer is the same.
+
+    `passage_scores` (the retriever's score of each passage) with `passage_prior` > 0 adds the passage prior
+    (`cprag.passage_prior`) to the copy scores in hidden mode: entries of less similar passages are pushed down.
     """
     if choose not in ("entry", "token"):
         raise ValueError(f"choose must be 'entry' or 'token', not {choose!r}")
@@ -164,6 +171,8 @@ def generate(
         memory.end_allowed = ~continues.unsqueeze(0).to(device)
     if memory is not None:
         memory.prior = lexical_prior(model, tokenizer, question, memory.ids[0])
+    if mode == "hidden" and memory is not None:
+        memory.bias = passage_bias(passage_scores, [len(p.ids) for p in passages], passage_prior, device)
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
     last = torch.tensor([[len(prompt) - 1]], device=device)  # only the last prompt position predicts

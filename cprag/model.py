@@ -37,6 +37,7 @@ class CopyMemory:
     mask: torch.Tensor | None = None  # (B|1, M) bool, True where an entry may be attended
     prior: torch.Tensor | None = None  # (B|1, M, F) query-time lexical features (cprag.lexical)
     end_allowed: torch.Tensor | None = None  # (B|1, M) bool: whether entry m's "end here" twin may be chosen
+    bias: torch.Tensor | None = None  # (B|1, M) added to entry m's scores and its twin's (the passage prior)
 
     @property
     def size(self) -> int:
@@ -425,7 +426,7 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
     def external_scores(self, queries, end_queries, memory: CopyMemory, prev_source: torch.Tensor | None,
                         context_queries: torch.Tensor | None = None):
         """Scores of the external entries, then of their "end here" twins when enabled, with the successor bias,
-        the lexical prior and the key-context match.
+        the lexical prior, the passage prior (`memory.bias`) and the key-context match.
 
         queries, end_queries, context_queries (B, T, D) (None when not configured); prev_source (B, T): the
         external entry the previous token was copied from, or -1.
@@ -448,6 +449,9 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             prior = memory.prior.to(parts[0].dtype)  # (B|1, M, F)
             weights = [head.lexical, head.lexical_end][: len(parts)]
             parts = [part + (prior @ weight).unsqueeze(1) for part, weight in zip(parts, weights, strict=True)]
+        if memory.bias is not None:  # the same for an entry and its twin: only choices across passages move
+            bias = memory.bias.to(parts[0].dtype).expand(batch, -1).unsqueeze(1)  # (B, 1, M)
+            parts = [part + bias for part in parts]
         if head.successor is not None and prev_source is not None:
             successor = prev_source + 1
             valid = (prev_source >= 0) & (successor < memory.size)

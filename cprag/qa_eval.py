@@ -17,6 +17,7 @@ from cprag.generate import generate
 from cprag.key_codec import PQ_TRAIN_KEYS, PQCodebook, round_trip
 from cprag.metrics import squad2_question_scores
 from cprag.prompt_prefix import prompt_prefix
+from cprag.retrieve import MiniLMEmbedder, passage_text_for_retrieval
 from cprag.squad import QAExample, article_of
 from cprag.store import StoredPassage
 
@@ -93,12 +94,13 @@ def evaluate_oracle(
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
     on_result: Callable[[QAResult], None] | None = None, choose: str = "token", min_confidence: float = 0.0,
     start_beam: int = 1, batch_size: int = 1, reranker=None, key_codec: str = "float16",
-    pq_subvectors: int | None = None,
+    pq_subvectors: int | None = None, passage_prior: float = 0.0,
 ) -> list[QAResult]:
     """Each example in each mode with its gold passage plus `distractors` others (seeded), scored against its
     references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one). With
     `batch_size` > 1, hidden-mode questions are decoded that many per backbone pass (the same answers; each
-    question's latency is then its share of its batch's time)."""
+    question's latency is then its share of its batch's time). `passage_prior` > 0 weighs each passage's
+    retrieval score (as an index's retriever would give it) into the copy scores (`cprag.passage_prior`)."""
     if key_codec == "pq":  # the codebook an index of these articles would learn: from their first passages' keys
         key_codec = oracle_pq_codebook(model, tokenizer, passages, pq_subvectors)
     memory = OracleMemory(model, tokenizer, passages, key_codec)
@@ -106,6 +108,8 @@ def evaluate_oracle(
     all_ids = sorted(passages)
     rng = random.Random(seed)
     chosen = [oracle_passage_ids(example, all_ids, distractors, rng) for example in examples]  # the seeded draws
+    scores = (retrieval_scores([e.question for e in examples], chosen, passages, memory.device)
+              if passage_prior > 0 else [None] * len(examples))
     batched = batch_size > 1 and start_beam == 1 and choose == "token" and batch_supported(model, "hidden")
     results = []
     for first in range(0, len(examples), batch_size if batched else 1):
@@ -117,7 +121,8 @@ def evaluate_oracle(
                 tick = time.perf_counter()
                 generations = generate_batch(model, tokenizer, [examples[i].question for i in group],
                                              [shards[i] for i in group], max_new_tokens,
-                                             min_confidence=min_confidence, prefix=prefix)
+                                             min_confidence=min_confidence, prefix=prefix,
+                                             passage_scores=[scores[i] for i in group], passage_prior=passage_prior)
                 share = (time.perf_counter() - tick) * 1000 / len(group)
                 by_mode[mode] = [(g, share) for g in generations]
                 continue
@@ -127,7 +132,7 @@ def evaluate_oracle(
                 generation = generate(model, tokenizer, examples[i].question,
                                       shards[i] if mode != "closed" else [], mode, max_new_tokens, choose=choose,
                                       min_confidence=min_confidence, start_beam=start_beam, reranker=reranker,
-                                      prefix=prefix)
+                                      prefix=prefix, passage_scores=scores[i], passage_prior=passage_prior)
                 by_mode[mode].append((generation, (time.perf_counter() - tick) * 1000))
         for position, i in enumerate(group):
             example = examples[i]
@@ -144,6 +149,17 @@ def evaluate_oracle(
                 if on_result:
                     on_result(result)
     return results
+
+
+def retrieval_scores(questions: list[str], chosen: list[list[str]], passages: dict[str, tuple[str, str]],
+                     device="cpu") -> list[list[float]]:
+    """Each question's cosine similarity to each of its passages, as the index's retriever scores them."""
+    embedder = MiniLMEmbedder(str(device))
+    needed = sorted({pid for ids in chosen for pid in ids})
+    vectors = dict(zip(needed, embedder.embed([passage_text_for_retrieval(*passages[pid]) for pid in needed]),
+                       strict=True))
+    asked = embedder.embed(questions)
+    return [[float(vectors[pid] @ question) for pid in ids] for question, ids in zip(asked, chosen, strict=True)]
 
 
 def summarize(results: list[QAResult]) -> dict[str, float]:

@@ -78,9 +78,11 @@ def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, token
             on_progress(done[0], total)
 
     results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
-                              config.seed, config.max_new_tokens, on_result=tick, batch_size=config.batch_size)
+                              config.seed, config.max_new_tokens, on_result=tick, batch_size=config.batch_size,
+                              passage_prior=config.passage_prior)
     answerable = {e.qid: e.answerable for e in examples}
     summary = summarize_squad2(results, answerable, threshold)
+    summary["eval/passage_prior"] = config.passage_prior
     summary["eval/questions"] = len(examples)
     summary["eval/unanswerable"] = sum(not a for a in answerable.values())
     return summary, results

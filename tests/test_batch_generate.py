@@ -7,6 +7,7 @@ from tiny_models import DOCS, tiny_checkpoint, write_jsonl
 
 from cprag.api import Index
 from cprag.batch_generate import batch_supported, generate_batch
+from cprag.errors import ConfigError
 from cprag.generate import generate
 from cprag.prompt import SYSTEM, prompt_ids
 from cprag.prompt_prefix import prompt_prefix
@@ -175,3 +176,62 @@ def test_one_bad_question_stops_the_batch_before_any_answer(index):
 
     with pytest.raises(ConfigError, match="empty"):
         index.ask_many([QUESTIONS[0], "   "], k=2)
+
+
+def test_the_passage_prior_moves_copies_to_the_favoured_passage_and_batches_exactly(index):
+    memories = [shards(index, q, 3) if i != 5 else [] for i, q in enumerate(QUESTIONS)]
+    favour_last = [[0.0, 0.0, 1.0] if m else None for m in memories]
+    plain = [generate(index.model, index.tokenizer, q, m, "hidden" if m else "closed", 12)
+             for q, m in zip(QUESTIONS, memories, strict=True)]
+    for single, q, m in zip(plain, QUESTIONS, memories, strict=True):  # weight 0 (or no scores): no prior at all
+        same(single, generate(index.model, index.tokenizer, q, m, "hidden" if m else "closed", 12,
+                              passage_scores=[0.0, 0.0, 1.0] if m else None, passage_prior=0.0))
+    # 50 nats below the favoured passage: nothing is copied from the other two
+    pushed = [generate(index.model, index.tokenizer, q, m, "hidden" if m else "closed", 12, passage_scores=s,
+                       passage_prior=50.0) for q, m, s in zip(QUESTIONS, memories, favour_last, strict=True)]
+    copied = [source for g in pushed for source in g.sources if source is not None]
+    assert all(passage == 2 for passage, _ in copied)
+    if any(source is not None and source[0] != 2 for g in plain for source in g.sources):
+        assert [g.sources for g in pushed] != [g.sources for g in plain]  # the prior moved some copy
+    # some rows without scores: a continuous batch joins memories with and without a bias
+    mixed = [s if i % 2 else None for i, s in enumerate(favour_last)]
+    singles = [generate(index.model, index.tokenizer, q, m, "hidden" if m else "closed", 12, passage_scores=s,
+                        passage_prior=50.0) for q, m, s in zip(QUESTIONS, memories, mixed, strict=True)]
+    for max_rows in (None, 2):
+        batched = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12, max_rows=max_rows,
+                                 passage_scores=mixed, passage_prior=50.0)
+        for single, generation in zip(singles, batched, strict=True):
+            same(single, generation)
+
+
+def test_ask_weighs_its_retrieval_scores_in_only_when_asked(index):
+    assert index.passage_prior == 0.0  # a checkpoint without passage_prior.json
+    question = QUESTIONS[0]
+    hits = index.retrieve([question], 3)[0]
+    memory = shards(index, question, 3)
+    for weight in (0.0, 50.0):
+        answer = index.ask(question, k=3, passage_prior=weight, min_confidence=0.0, min_retrieval_score=-1.0)
+        expected = generate(index.model, index.tokenizer, question, memory, "hidden", 32,
+                            passage_scores=[h.score for h in hits], passage_prior=weight, prefix=index.prefix)
+        assert answer.answer == expected.answer
+        assert [(c.doc_id, c.start, c.end) for c in answer.citations] == \
+            [(c.doc_id, c.start, c.end) for c in expected.citations]
+    with pytest.raises(ConfigError, match="--passage-prior"):
+        index.ask(question, k=3, passage_prior=-1.0)
+
+
+def test_the_cli_passes_the_passage_prior_and_refuses_a_negative_one(index):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cprag.cli import app
+
+    base = ["ask", QUESTIONS[1], "--index", str(index.path), "-k", "3", "--min-retrieval-score", "-1",
+            "--min-confidence", "0", "--json", "--checkpoint", str(index.checkpoint)]
+    run = CliRunner().invoke(app, [*base, "--passage-prior", "50"])
+    assert run.exit_code == 0, run.output
+    expected = index.ask(QUESTIONS[1], k=3, passage_prior=50.0, min_confidence=0.0, min_retrieval_score=-1.0)
+    assert json.loads(run.stdout)["answer"] == expected.answer
+    bad = CliRunner().invoke(app, [*base, "--passage-prior", "-1"])
+    assert bad.exit_code == 2 and "--passage-prior" in bad.output and len(bad.output.strip().splitlines()) == 1

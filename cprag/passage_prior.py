@@ -1,0 +1,60 @@
+"""The passage prior: the retriever's opinion of each passage, added to the copy scores of its entries.
+
+The CP head ranks every entry of every passage in memory by itself; the retriever has already scored each
+passage against the question (cosine similarity of sentence embeddings). Adding `weight · (s_p - max_q s_q)` to
+the scores of passage p's entries (and of their "end here" twins, so choices inside a passage do not move) is the
+usual retriever-reader fusion, here as a log-prior over passages: the best passage keeps its scores, the others are
+pushed down by how much less similar they are. The weight is a property of a checkpoint, fitted on training-file
+questions it never trained on (`eval/passage-prior/`), and saved beside it as `passage_prior.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PASSAGE_PRIOR_FILE = "passage_prior.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PassagePrior:
+    weight: float  # nats per unit of cosine similarity below the best passage's
+    similarity: str = "cosine of all-MiniLM-L6-v2 embeddings (the index's retriever)"
+    fitted_on: str = ""  # what chose the weight, in words
+
+    def __post_init__(self):
+        if not self.weight >= 0:  # also refuses NaN
+            raise ValueError(f"--passage-prior must be at least 0, not {self.weight}")
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / PASSAGE_PRIOR_FILE
+        path.write_text(json.dumps({"format_version": FORMAT_VERSION, **asdict(self)}, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PassagePrior | None:
+        """The prior saved in a checkpoint directory, or None when it has none."""
+        path = Path(directory) / PASSAGE_PRIOR_FILE
+        if not path.exists():
+            return None
+        values = json.loads(path.read_text())
+        if values.pop("format_version", None) != FORMAT_VERSION:
+            raise ValueError(f"{path}: not passage-prior format {FORMAT_VERSION}")
+        return cls(**values)
+
+
+def passage_bias(scores: Sequence[float] | None, sizes: Sequence[int], weight: float,
+                 device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """(1, M) bias of every memory entry: `weight · (s_p - max s)` for each of passage p's `sizes[p]` entries.
+    None (no bias) without scores or at weight 0, so the answer is then exactly the unbiased one."""
+    if scores is None or weight == 0 or not sizes:
+        return None
+    if len(scores) != len(sizes):
+        raise ValueError(f"{len(scores)} passage scores for {len(sizes)} passages")
+    relative = torch.tensor(scores, dtype=torch.float32) - max(scores)
+    return (weight * relative).repeat_interleave(torch.tensor(list(sizes))).unsqueeze(0).to(device)
