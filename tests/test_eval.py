@@ -193,7 +193,8 @@ def test_eval_scale_writes_a_synthetic_index_and_times_it(tmp_path):
 
 def test_eval_scale_with_pq_keys_reads_codes_back_through_the_stored_codebook(tmp_path):
     result = CliRunner().invoke(app, ["eval", "scale", "--passages", "300", "--tokens", "8", "--queries", "20",
-                                      "--keys", "pq", "--index", str(tmp_path / "idx"), "--json"])
+                                      "--keys", "pq", "--index", str(tmp_path / "idx"), "--out", str(tmp_path / "out"),
+                                      "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["scale/bytes_per_token"] == 16 + 4
     opened = open_snapshot(tmp_path / "idx")  # the manifest names the codebook; the snapshot decodes with it
