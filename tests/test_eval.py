@@ -62,6 +62,30 @@ def test_eval_squad_oracle_writes_results_summary_report_and_plots(tmp_path, che
     assert answers("batched") == answers("out")  # same memories, same answers, in the same order
 
 
+def test_eval_squad_oracle_weighs_in_the_passage_prior_of_the_checkpoint_or_the_flag(tmp_path, checkpoint):
+    import shutil
+
+    from cprag.passage_prior import PassagePrior
+
+    data = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
+    with_prior = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, with_prior)
+    PassagePrior(weight=50.0).save(with_prior)
+
+    def run(folder, *extra):
+        result = CliRunner().invoke(app, ["eval", "squad", str(data), "--oracle", "--limit", "3", "--modes", "hidden",
+                                          "--out", str(tmp_path / folder), "--json", *extra])
+        assert result.exit_code == 0, result.output
+        rows = [json.loads(line) for line in (tmp_path / folder / "results.jsonl").read_text().splitlines()]
+        return json.loads(result.stdout)["eval/passage_prior"], [(r["qid"], r["prediction"]) for r in rows]
+
+    default, answers = run("default", "--checkpoint", str(with_prior))
+    assert default == 50.0  # the checkpoint's passage_prior.json
+    assert run("batched", "--checkpoint", str(with_prior), "--batch-size", "2") == (50.0, answers)
+    assert run("flag", "--checkpoint", str(checkpoint), "--passage-prior", "50") == (50.0, answers)
+    assert run("off", "--checkpoint", str(with_prior), "--passage-prior", "0")[0] == 0.0
+
+
 def test_eval_squad2_scores_abstention_with_the_official_rules(tmp_path, checkpoint):
     data = tiny_squad(tmp_path / "tiny2.json", missing_answer=False, unanswerable=True)
     args = ["eval", "squad2", str(data), "--oracle", "--modes", "hidden,closed", "--out", str(tmp_path / "out"),
