@@ -13,7 +13,7 @@ from cprag.cache import KeyCache
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.generate import MODES, Citation, generate
-from cprag.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior
+from cprag.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
 from cprag.prompt import prompt_ids
 from cprag.prompt_prefix import PromptPrefix, prompt_prefix
 from cprag.rerank import RERANKER_FILE, StartReranker
@@ -138,7 +138,7 @@ class Index:
         `cancelled(i)` stops question i early (`cprag.batch_generate.generate_batch`)."""
         threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
                                 max_new_tokens)
-        weight = self.passage_prior if passage_prior is None else check_passage_prior(passage_prior)
+        weight = self.passage_prior if passage_prior is None else check_weight(passage_prior)
         tick = time.perf_counter()
         hits = self.retrieve(questions, k) if mode != "closed" else [[] for _ in questions]
         retrieve_ms = (time.perf_counter() - tick) * 1000 / len(questions)
@@ -240,12 +240,6 @@ def load_passage_prior(checkpoint: str | Path | None) -> float:
     except (ValueError, TypeError, json.JSONDecodeError) as error:
         raise CheckpointError(str(directory), f"unreadable {PASSAGE_PRIOR_FILE}: {error}") from None
     return 0.0 if prior is None else prior.weight
-
-
-def check_passage_prior(weight: float) -> float:
-    if not weight >= 0:
-        raise ConfigError("--passage-prior", weight, "must be at least 0 (0 turns the prior off)")
-    return float(weight)
 
 
 def ask(question: str, index: str | Path, k: int = 5, mode: str = "hidden", **kwargs) -> Answer:

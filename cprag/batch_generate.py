@@ -335,7 +335,7 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
             if prior is None:
                 prior = torch.zeros((batch, size, features.shape[-1]), dtype=features.dtype, device=device)
             prior[i, :n] = features[0]
-        row_bias = passage_bias(row.passage_scores, [len(p.ids) for p in shards], passage_prior, device)
+        row_bias = passage_bias(row.passage_scores, [len(p.ids) for p in shards], passage_prior, device, keys.dtype)
         if row_bias is not None:
             if bias is None:
                 bias = torch.zeros((batch, size), dtype=row_bias.dtype, device=device)

@@ -294,9 +294,9 @@ def ask_command(
     if batch_size < 1:
         raise ConfigError("--batch-size", batch_size, "must be at least 1")
     if passage_prior is not None:
-        from cprag.api import check_passage_prior
+        from cprag.passage_prior import check_weight
 
-        check_passage_prior(passage_prior)
+        check_weight(passage_prior)
     if dtype is not None:
         from cprag.runtime import resolve_dtype
 
@@ -613,11 +613,14 @@ def eval_squad_command(
 
     if (index is None) == (not oracle):
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
+    from cprag.api import load_passage_prior
+
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
                              start_beam=START_BEAM if start_beam is None else start_beam, batch_size=batch_size,
                              articles=tuple(held_out_articles(checkpoint)) if held_out else None, key_codec=keys,
-                             pq_subvectors=pq_subvectors, passage_prior=passage_prior or 0.0)
+                             pq_subvectors=pq_subvectors,
+                             passage_prior=load_passage_prior(checkpoint) if passage_prior is None else passage_prior)
     with err.status("loading the model"):
         if index is not None:
             from cprag.api import Index
@@ -631,10 +634,6 @@ def eval_squad_command(
             opened = None
             model, tokenizer = load_model(checkpoint)
     reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
-    if passage_prior is None:  # the checkpoint's
-        from cprag.api import load_passage_prior
-
-        config.passage_prior = load_passage_prior(checkpoint)
     summary, results = _answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
         data, config, model, tokenizer, opened, progress, result, reranker))
     split = ", held-out articles" if held_out else ""
@@ -669,6 +668,7 @@ def eval_squad2_command(
 
     Example: cprag eval squad2 ../shared/data/squad-v2.0-dev-public.json --limit 1000 --out eval/squad2
     """
+    from cprag.api import load_passage_prior
     from cprag.checkpoint import load_model
     from cprag.errors import ConfigError
     from cprag.evaluate import SquadEvalConfig
@@ -677,13 +677,10 @@ def eval_squad2_command(
     if not oracle:
         raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed,
-                             batch_size=batch_size, passage_prior=passage_prior or 0.0)
+                             batch_size=batch_size,
+                             passage_prior=load_passage_prior(checkpoint) if passage_prior is None else passage_prior)
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
-    if passage_prior is None:  # the checkpoint's
-        from cprag.api import load_passage_prior
-
-        config.passage_prior = load_passage_prior(checkpoint)
     threshold = model.config.min_confidence if min_confidence is None else min_confidence
     if not 0.0 <= threshold <= 1.0:
         raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")

@@ -16,6 +16,7 @@ from cprag.errors import ConfigError
 from cprag.generate import MODES
 from cprag.key_codec import codec_name, pq_subvectors
 from cprag.metrics import squad2_question_scores
+from cprag.passage_prior import check_weight
 from cprag.qa_eval import QAResult, evaluate_oracle, summarize
 from cprag.squad import read_squad
 
@@ -51,8 +52,7 @@ class SquadEvalConfig:
             raise ConfigError("--start-beam", self.start_beam, "must be at least 1")
         if self.batch_size < 1:
             raise ConfigError("--batch-size", self.batch_size, "must be at least 1")
-        if not self.passage_prior >= 0:
-            raise ConfigError("--passage-prior", self.passage_prior, "must be at least 0 (0 turns the prior off)")
+        self.passage_prior = check_weight(self.passage_prior)
 
 
 def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):

@@ -172,7 +172,8 @@ def generate(
     if memory is not None:
         memory.prior = lexical_prior(model, tokenizer, question, memory.ids[0])
     if mode == "hidden" and memory is not None:
-        memory.bias = passage_bias(passage_scores, [len(p.ids) for p in passages], passage_prior, device)
+        memory.bias = passage_bias(passage_scores, [len(p.ids) for p in passages], passage_prior, device,
+                                   memory.keys.dtype)
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if stop_at_end else set()
 
     last = torch.tensor([[len(prompt) - 1]], device=device)  # only the last prompt position predicts

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from cprag.errors import ConfigError
+
 PASSAGE_PRIOR_FILE = "passage_prior.json"
 FORMAT_VERSION = 1
 
@@ -28,8 +30,7 @@ class PassagePrior:
     fitted_on: str = ""  # what chose the weight, in words
 
     def __post_init__(self):
-        if not self.weight >= 0:  # also refuses NaN
-            raise ValueError(f"--passage-prior must be at least 0, not {self.weight}")
+        check_weight(self.weight)
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / PASSAGE_PRIOR_FILE
@@ -48,8 +49,15 @@ class PassagePrior:
         return cls(**values)
 
 
+def check_weight(weight: float) -> float:
+    """The weight as a float, or ConfigError naming --passage-prior (negative or NaN)."""
+    if not weight >= 0:  # also refuses NaN
+        raise ConfigError("--passage-prior", weight, "must be at least 0 (0 turns the prior off)")
+    return float(weight)
+
+
 def passage_bias(scores: Sequence[float] | None, sizes: Sequence[int], weight: float,
-                 device: torch.device | str = "cpu") -> torch.Tensor | None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """(1, M) bias of every memory entry: `weight · (s_p - max s)` for each of passage p's `sizes[p]` entries.
     None (no bias) without scores or at weight 0, so the answer is then exactly the unbiased one."""
     if scores is None or weight == 0 or not sizes:
@@ -57,4 +65,4 @@ def passage_bias(scores: Sequence[float] | None, sizes: Sequence[int], weight: f
     if len(scores) != len(sizes):
         raise ValueError(f"{len(scores)} passage scores for {len(sizes)} passages")
     relative = torch.tensor(scores, dtype=torch.float32) - max(scores)
-    return (weight * relative).repeat_interleave(torch.tensor(list(sizes))).unsqueeze(0).to(device)
+    return (weight * relative).repeat_interleave(torch.tensor(list(sizes))).unsqueeze(0).to(device, dtype)
