@@ -11,6 +11,7 @@ from pathlib import Path
 from cprag.batch_generate import batch_supported, generate_batch
 from cprag.cache import KeyCache
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
+from cprag.config import check_end_bias
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.generate import MODES, Citation, generate
 from cprag.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
@@ -116,21 +117,23 @@ class Index:
 
     def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
             min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
-            start_beam: int = START_BEAM, passage_prior: float | None = None) -> Answer:
+            start_beam: int = START_BEAM, passage_prior: float | None = None,
+            end_bias: float | None = None) -> Answer:
         """Answer from the k retrieved passages. Withheld as "no answer": questions whose best passage scores
         below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
         `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0). `start_beam` first tokens are decoded
         and the checkpoint's start reranker (`self.reranker`; without one, the likeliest) picks the answer.
-        `passage_prior` weighs the retrieval scores into the copy scores (default: the checkpoint's; 0: off)."""
+        `passage_prior` weighs the retrieval scores into the copy scores (default: the checkpoint's; 0: off);
+        `end_bias` is added to ending's log-probability (default: the checkpoint's; 0: off)."""
         return self.ask_many([question], k, mode, max_new_tokens, min_confidence, min_retrieval_score, start_beam,
-                             batch_size=1, passage_prior=passage_prior)[0]
+                             batch_size=1, passage_prior=passage_prior, end_bias=end_bias)[0]
 
     def ask_many(self, questions: list[str], k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
                  min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
                  start_beam: int = START_BEAM, batch_size: int = BATCH_SIZE,
                  on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
-                 cancelled: Callable[[int], bool] | None = None, passage_prior: float | None = None
-                 ) -> list[Answer]:
+                 cancelled: Callable[[int], bool] | None = None, passage_prior: float | None = None,
+                 end_bias: float | None = None) -> list[Answer]:
         """`ask` for each question, with `batch_size` questions decoded per backbone pass (hidden mode, greedy):
         the same answers as one at a time, in fewer passes. Every question is checked before any is answered.
 
@@ -139,6 +142,7 @@ class Index:
         threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
                                 max_new_tokens)
         weight = self.passage_prior if passage_prior is None else check_weight(passage_prior)
+        end_bias = None if end_bias is None else check_end_bias(end_bias)
         tick = time.perf_counter()
         hits = self.retrieve(questions, k) if mode != "closed" else [[] for _ in questions]
         retrieve_ms = (time.perf_counter() - tick) * 1000 / len(questions)
@@ -170,14 +174,15 @@ class Index:
                 generations = generate_batch(
                     self.model, self.tokenizer, [questions[n] for n in numbers], [p for _, p, *_ in group],
                     max_new_tokens, min_confidence=threshold, prefix=self.prefix, max_rows=batch_size,
-                    passage_scores=[scores for *_, scores in group], passage_prior=weight,
+                    passage_scores=[scores for *_, scores in group], passage_prior=weight, end_bias=end_bias,
                     on_token=None if on_token is None else
                     lambda row, token, source, numbers=numbers: on_token(numbers[row], token, source),
                     cancelled=None if cancelled is None else lambda row, numbers=numbers: cancelled(numbers[row]))
             else:
                 generations = [generate(self.model, self.tokenizer, questions[n], p, mode, max_new_tokens,
                                         min_confidence=threshold, start_beam=start_beam, reranker=self.reranker,
-                                        prefix=self.prefix, passage_scores=scores, passage_prior=weight)
+                                        prefix=self.prefix, passage_scores=scores, passage_prior=weight,
+                                        end_bias=end_bias)
                                for n, p, *_, scores in group]
             generate_ms = (time.perf_counter() - tick) * 1000 / len(group)  # the batch's time, shared evenly
             for (number, _, read, timings, _), generation in zip(group, generations, strict=True):

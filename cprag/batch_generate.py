@@ -37,6 +37,7 @@ from cprag.generate import (
     lexical_prior,
     shared_memory,
     step_entry_ids,
+    with_end_bias,
     without_stops,
 )
 from cprag.lexical import inside_word
@@ -82,8 +83,8 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
                    mode: str = "hidden", on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
                    cancelled: Callable[[int], bool] | None = None, draft_tokens: int = 8,
                    prefix: PromptPrefix | None = None, max_rows: int | None = None,
-                   passage_scores: list[Sequence[float] | None] | None = None, passage_prior: float = 0.0
-                   ) -> list[Generation]:
+                   passage_scores: list[Sequence[float] | None] | None = None, passage_prior: float = 0.0,
+                   end_bias: float | None = None) -> list[Generation]:
     """Greedy answers to `questions`, question i from `passages[i]`, decoded together: the same answers,
     sources, confidences and citations as `generate` gives each question alone.
 
@@ -96,14 +97,14 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
     long answer does not hold back the questions after it.
 
     `passage_scores[i]` (the retriever's score of each of question i's passages) with `passage_prior` > 0 adds
-    the passage prior (`cprag.passage_prior`) to question i's copy scores."""
+    the passage prior (`cprag.passage_prior`) to question i's copy scores; `end_bias`: see `generate`."""
     if len(questions) != len(passages):
         raise ValueError(f"{len(questions)} questions but {len(passages)} passage lists")
     scores = passage_scores if passage_scores is not None else [None] * len(questions)
     if not batch_supported(model, mode) or (len(questions) == 1 and on_token is None and cancelled is None):
         return [generate(model, tokenizer, q, p, mode, max_new_tokens, whole_words=whole_words,
                          min_confidence=min_confidence, draft_tokens=draft_tokens, prefix=prefix,
-                         passage_scores=s, passage_prior=passage_prior)
+                         passage_scores=s, passage_prior=passage_prior, end_bias=end_bias)
                 for q, p, s in zip(questions, passages, scores, strict=True)]
     window = model.config.max_position_embeddings
     prompts = [prompt_ids(tokenizer, q) for q in questions]
@@ -121,7 +122,8 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
     setup = SimpleNamespace(model=model, tokenizer=tokenizer, questions=questions, rows=rows, prefix=prefix,
                             device=device, stop=stop, min_confidence=min_confidence, max_new_tokens=max_new_tokens,
-                            passage_prior=passage_prior)
+                            passage_prior=passage_prior,
+                            end_bias=model.config.end_bias if end_bias is None else end_bias)
     max_rows = len(rows) if max_rows is None else max_rows
     waiting, running = list(range(len(rows))), None  # questions not yet started; the batch being decoded
     while True:
@@ -227,7 +229,7 @@ def _start(setup, numbers: list[int]) -> _Running:
     for i, row in enumerate(rows):
         step, view = _row_step(out, i, -1), _row_memory(memory, sizes, i)
         if view is None:  # no passages: the first token may be the end, as in `generate`
-            _choose(row, step, None, stop, max_new_tokens)
+            _choose(row, step, None, stop, max_new_tokens, setup.end_bias)
             continue
         # an answer from the passages, or none at all: never an empty one
         row.stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
@@ -267,8 +269,8 @@ def _step(setup, running: _Running, draft_tokens: int) -> None:
     used = []
     for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
         view = _row_memory(running.memory, running.sizes, j)
-        kept = _keep_draft(rows[i], draft, out, j, view, setup.stop)
-        _choose(rows[i], _row_step(out, j, kept), view, setup.stop, max_new_tokens)
+        kept = _keep_draft(rows[i], draft, out, j, view, setup.stop, setup.end_bias)
+        _choose(rows[i], _row_step(out, j, kept), view, setup.stop, max_new_tokens, setup.end_bias)
         used.append(1 + kept)
     used = torch.tensor(used, device=device).unsqueeze(1)  # (B, 1) positions each row keeps
     running.context, running.next_position = _drop_unused(out.context, width - used), running.next_position + used
@@ -372,13 +374,13 @@ def _row_step(out, i: int, position: int) -> Step:
     return Step(out.log_probs[i, position], out.log_gate[i, position], out.copy_log_attention[i, position])
 
 
-def _keep_draft(row: _Row, draft: list[int], out, j: int, view, stop: set[int]) -> int:
+def _keep_draft(row: _Row, draft: list[int], out, j: int, view, stop: set[int], end_bias: float) -> int:
     """How many of the row's drafted entries greedy decoding would have copied, one by one: each is emitted."""
     kept = 0
     for drafted in draft:
         step = _row_step(out, j, kept)
         if not _word_goes_on(row, drafted):  # a word's continuation is copied anyway
-            guess = int(step.log_probs.argmax())
+            guess = int(with_end_bias(step, stop, end_bias).log_probs.argmax())
             if guess != row.memory_ids[drafted] or guess in stop or copied_source(step, guess, view) != drafted:
                 break
         _emit(row, row.memory_ids[drafted], drafted, step)
@@ -415,7 +417,7 @@ def _word_goes_on(row: _Row, entry: int | None) -> bool:
             and bool(row.continues[entry]) and row.owner[entry] == row.owner[entry - 1])
 
 
-def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int) -> None:
+def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int, end_bias: float) -> None:
     """The row's next token at `step`: a forced word continuation, the end, or the mixture's best token."""
     if len(row.tokens) >= max_new_tokens:
         row.done = True
@@ -424,7 +426,7 @@ def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int) ->
         entry = row.entry + 1
         _emit(row, int(view.ids[0, entry]), entry, step)
     else:
-        token = int(step.log_probs.argmax())
+        token = int(with_end_bias(step, stop, end_bias).log_probs.argmax())
         if token in stop:
             row.end_log_prob = float(step.log_probs[token])
             row.done = True

@@ -251,6 +251,9 @@ START_BEAM_OPTION = typer.Option(None, "--start-beam", help="Decode from this ma
 PASSAGE_PRIOR_OPTION = typer.Option(None, "--passage-prior", help="Weight of each passage's retrieval score in the "
                                     "copy scores (hidden mode): passages less similar to the question are pushed "
                                     "down by this many nats per unit of cosine (default: the checkpoint's; 0: off).")
+END_BIAS_OPTION = typer.Option(None, "--end-bias", help="Nats added to the log-probability of ending an answer at "
+                               "every choice after the first; below 0 answers run on where the model is unsure they "
+                               "are over (default: the checkpoint's end_bias; 0: off).")
 
 
 @app.command("ask")
@@ -271,6 +274,7 @@ def ask_command(
                                               "is below this (default 0.25, measured on SQuAD; -1 never)."),
     start_beam: int = START_BEAM_OPTION,
     passage_prior: float = PASSAGE_PRIOR_OPTION,
+    end_bias: float = END_BIAS_OPTION,
     batch_size: int = typer.Option(None, "--batch-size", help="With --questions: questions decoded per backbone "
                                    "pass (default: cprag.api.BATCH_SIZE; same answers as one at a time)."),
     checkpoint: Path = CHECKPOINT_OPTION,
@@ -297,6 +301,10 @@ def ask_command(
         from cprag.passage_prior import check_weight
 
         check_weight(passage_prior)
+    if end_bias is not None:
+        from cprag.config import check_end_bias
+
+        check_end_bias(end_bias)
     if dtype is not None:
         from cprag.runtime import resolve_dtype
 
@@ -316,7 +324,7 @@ def ask_command(
         for answer in opened.ask_many(batch[first : first + batch_size], k=k, mode=mode,
                                       max_new_tokens=max_new_tokens, min_confidence=min_confidence,
                                       min_retrieval_score=floor, start_beam=start_beam, batch_size=batch_size,
-                                      passage_prior=passage_prior):
+                                      passage_prior=passage_prior, end_bias=end_bias):
             if as_json:
                 emit_json(answer.to_json())
             else:
@@ -592,6 +600,7 @@ def eval_squad_command(
     min_confidence: float = MIN_CONFIDENCE_EVAL,
     start_beam: int = START_BEAM_OPTION,
     passage_prior: float = PASSAGE_PRIOR_OPTION,
+    end_bias: float = END_BIAS_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
     keys: str = typer.Option("fp16", "--keys", help="With --oracle: answer from the keys as an index storing them "
                              "this way (fp16, int8 or pq, as cprag index --keys) gives them back."),
@@ -619,7 +628,7 @@ def eval_squad_command(
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
                              start_beam=START_BEAM if start_beam is None else start_beam, batch_size=batch_size,
                              articles=tuple(held_out_articles(checkpoint)) if held_out else None, key_codec=keys,
-                             pq_subvectors=pq_subvectors,
+                             pq_subvectors=pq_subvectors, end_bias=end_bias,
                              passage_prior=load_passage_prior(checkpoint) if passage_prior is None else passage_prior)
     with err.status("loading the model"):
         if index is not None:
@@ -658,6 +667,7 @@ def eval_squad2_command(
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers below this confidence "
                                          "(default: the checkpoint's)."),
     passage_prior: float = PASSAGE_PRIOR_OPTION,
+    end_bias: float = END_BIAS_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plot go."),
     checkpoint: Path = CHECKPOINT_OPTION,
@@ -677,7 +687,7 @@ def eval_squad2_command(
     if not oracle:
         raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed,
-                             batch_size=batch_size,
+                             batch_size=batch_size, end_bias=end_bias,
                              passage_prior=load_passage_prior(checkpoint) if passage_prior is None else passage_prior)
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)

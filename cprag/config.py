@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
@@ -9,6 +11,13 @@ from transformers.configuration_utils import SubConfigSpec
 from cprag.adapters import ALL_MODULES
 from cprag.errors import ConfigError
 from cprag.lexical import DEFAULT_WINDOW
+
+
+def check_end_bias(value: float, name: str = "--end-bias") -> float:
+    """The end bias as a float, or ConfigError naming `name` (infinite or NaN)."""
+    if not math.isfinite(value):
+        raise ConfigError(name, value, "must be a finite number of nats (0: off)")
+    return float(value)
 
 
 @strict
@@ -74,6 +83,10 @@ class CPLMConfig(PreTrainedConfig):
     # answers whose confidence (the copy path's probability of the first answer token) is below this are withheld
     # as "no answer"; tuned on SQuAD 2.0 after training, and not part of the model fingerprint
     min_confidence: float = 0.0
+    # nats added to the log-probability of ending at every decoding choice after the first
+    # (`cprag.decode_step.with_end_bias`): below 0 a copied span runs on where the model is unsure it is over;
+    # fitted on unseen training-file questions after training (eval/end-bias/), not part of the fingerprint
+    end_bias: float = 0.0
     end_token_id: int | None = None
     base_model: dict | None = None
     trained_backbone_params: list[str] | None = None
@@ -113,6 +126,7 @@ class CPLMConfig(PreTrainedConfig):
                                   f"expected some of {', '.join(ALL_MODULES)}")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ConfigError("min_confidence", self.min_confidence, "must be a probability in [0, 1]")
+        self.end_bias = check_end_bias(self.end_bias, "end_bias")
         if self.base_model is not None:
             missing = {"kind", "file", "sha256"} - set(self.base_model)
             if missing:

@@ -82,6 +82,21 @@ def without_stops(step: Step, stop: set[int], entry_ids: torch.Tensor) -> Step:
                 step.copy_log_attention.masked_fill(ends, NEG_INF))
 
 
+def with_end_bias(step: Step, stop: set[int], bias: float, entry_ids: torch.Tensor | None = None) -> Step:
+    """The step as greedy decoding weighs it: `bias` (nats) added to every way to end, the stop tokens' mixture
+    log-probability and (given `entry_ids`, for single-derivation choices) the copy entries pasting them. Below 0
+    a copied span runs on where the model is unsure it is over. Log-probabilities reported stay unbiased."""
+    if bias == 0 or not stop:
+        return step
+    barred = torch.tensor(sorted(stop), device=step.log_probs.device)
+    log_probs = step.log_probs.index_add(0, barred, torch.full((len(barred),), bias, dtype=step.log_probs.dtype,
+                                                                device=barred.device))
+    attention = step.copy_log_attention
+    if entry_ids is not None:
+        attention = attention + bias * torch.isin(entry_ids, barred).to(attention.dtype)
+    return Step(log_probs, step.log_gate, attention)
+
+
 def first_token_confidence(step: Step, memory: CopyMemory, token: int) -> float:
     """g · Σ a_j over the passage entries that paste `token` (not their "end here" twins): how much of the first
     answer token's probability the copy path gives from the passages."""

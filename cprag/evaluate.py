@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cprag.config import check_end_bias
 from cprag.errors import ConfigError
 from cprag.generate import MODES
 from cprag.key_codec import codec_name, pq_subvectors
@@ -36,6 +37,7 @@ class SquadEvalConfig:
     key_codec: str = "float16"  # with --oracle: the keys as an index storing them this way gives them back
     pq_subvectors: int | None = None  # with key_codec "pq": codes per key (None: cprag.key_codec.pq_subvectors)
     passage_prior: float = 0.0  # weight of the retrieval scores in the copy scores (cprag.passage_prior; 0: off)
+    end_bias: float | None = None  # nats added to ending's log-probability (None: the checkpoint's config.end_bias)
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
@@ -53,6 +55,8 @@ class SquadEvalConfig:
         if self.batch_size < 1:
             raise ConfigError("--batch-size", self.batch_size, "must be at least 1")
         self.passage_prior = check_weight(self.passage_prior)
+        if self.end_bias is not None:
+            self.end_bias = check_end_bias(self.end_bias)
 
 
 def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...] | None = None):
@@ -98,7 +102,8 @@ def evaluate_squad(
                                   config.seed, config.max_new_tokens, on_result=tick,
                                   min_confidence=config.min_confidence, start_beam=config.start_beam,
                                   batch_size=config.batch_size, reranker=reranker, key_codec=config.key_codec,
-                                  pq_subvectors=config.pq_subvectors, passage_prior=config.passage_prior)
+                                  pq_subvectors=config.pq_subvectors, passage_prior=config.passage_prior,
+                                  end_bias=config.end_bias)
         extra["eval/keys"] = config.key_codec
         if config.key_codec == "pq":
             extra["eval/pq_subvectors"] = config.pq_subvectors or pq_subvectors(model.config.key_dim)
@@ -111,6 +116,7 @@ def evaluate_squad(
         summary[f"latency/{mode}/p90_ms"] = round(float(np.percentile(latencies, 90)), 1)
     summary.update(extra)
     summary["eval/passage_prior"] = config.passage_prior
+    summary["eval/end_bias"] = model.config.end_bias if config.end_bias is None else config.end_bias
     summary["eval/questions"] = len(examples)
     summary["eval/source"] = "index" if index is not None else "oracle"
     summary["eval/articles"] = "held-out" if config.articles is not None else "all"
@@ -152,7 +158,7 @@ def _evaluate_with_index(index, examples, config: SquadEvalConfig, tick) -> tupl
             tick_start = time.perf_counter()
             answer = index.ask(example.question, k=config.k, mode=mode, max_new_tokens=config.max_new_tokens,
                                min_confidence=config.min_confidence, start_beam=config.start_beam,
-                               passage_prior=config.passage_prior)
+                               passage_prior=config.passage_prior, end_bias=config.end_bias)
             latency = (time.perf_counter() - tick_start) * 1000
             retrieved = [p["doc_id"] for p in answer.passages]
             if mode != "closed":

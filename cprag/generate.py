@@ -21,6 +21,7 @@ from cprag.decode_step import (
     shared_memory,
     step_entry_ids,
     successor_entries,
+    with_end_bias,
     without_stops,
 )
 from cprag.errors import QuestionTooLong
@@ -109,6 +110,7 @@ def generate(
     prefix: PromptPrefix | None = None,
     passage_scores: Sequence[float] | None = None,
     passage_prior: float = 0.0,
+    end_bias: float | None = None,
 ) -> Generation:
     """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
 
@@ -141,11 +143,16 @@ def generate(
 
     `passage_scores` (the retriever's score of each passage) with `passage_prior` > 0 adds the passage prior
     (`cprag.passage_prior`) to the copy scores in hidden mode: entries of less similar passages are pushed down.
+
+    `end_bias` (nats; default the checkpoint's `config.end_bias`) is added to the log-probability of ending at
+    every choice after the first (`cprag.decode_step.with_end_bias`): below 0 an answer runs on where the model is
+    unsure it is over. Reported log-probabilities stay the model's own.
     """
     if choose not in ("entry", "token"):
         raise ValueError(f"choose must be 'entry' or 'token', not {choose!r}")
     if start_beam < 1:
         raise ValueError(f"start_beam must be at least 1, not {start_beam}")
+    end_bias = model.config.end_bias if end_bias is None else end_bias
     window = model.config.max_position_embeddings
     bodies, spans = [], []
     if mode == "visible":
@@ -195,9 +202,10 @@ def generate(
     def pick(step: Step, context, offset: int = 0) -> tuple[int, int | None]:
         """The next (token, external entry) at a step whose context ends `offset` positions before its last."""
         if choose == "token":
-            token = int(step.log_probs.argmax())
+            token = int(with_end_bias(step, stop, end_bias).log_probs.argmax())
             return token, copied_source(step, token, memory)
-        return best_derivation(step, step_entry_ids(model, memory, context, step.copy_log_attention.shape[0]), memory)
+        entry_ids = step_entry_ids(model, memory, context, step.copy_log_attention.shape[0])
+        return best_derivation(with_end_bias(step, stop, end_bias, entry_ids), entry_ids, memory)
 
     confidence, first, stop_probability, starts = None, None, None, []
     if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one

@@ -94,13 +94,14 @@ def evaluate_oracle(
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
     on_result: Callable[[QAResult], None] | None = None, choose: str = "token", min_confidence: float = 0.0,
     start_beam: int = 1, batch_size: int = 1, reranker=None, key_codec: str = "float16",
-    pq_subvectors: int | None = None, passage_prior: float = 0.0,
+    pq_subvectors: int | None = None, passage_prior: float = 0.0, end_bias: float | None = None,
 ) -> list[QAResult]:
     """Each example in each mode with its gold passage plus `distractors` others (seeded), scored against its
     references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one). With
     `batch_size` > 1, hidden-mode questions are decoded that many per backbone pass (the same answers; each
     question's latency is then its share of its batch's time). `passage_prior` > 0 weighs each passage's
-    retrieval score (as an index's retriever would give it) into the copy scores (`cprag.passage_prior`)."""
+    retrieval score (as an index's retriever would give it) into the copy scores (`cprag.passage_prior`);
+    `end_bias` (default the checkpoint's): see `cprag.generate.generate`."""
     if key_codec == "pq":  # the codebook an index of these articles would learn: from their first passages' keys
         key_codec = oracle_pq_codebook(model, tokenizer, passages, pq_subvectors)
     memory = OracleMemory(model, tokenizer, passages, key_codec)
@@ -122,7 +123,8 @@ def evaluate_oracle(
                 generations = generate_batch(model, tokenizer, [examples[i].question for i in group],
                                              [shards[i] for i in group], max_new_tokens,
                                              min_confidence=min_confidence, prefix=prefix,
-                                             passage_scores=[scores[i] for i in group], passage_prior=passage_prior)
+                                             passage_scores=[scores[i] for i in group], passage_prior=passage_prior,
+                                             end_bias=end_bias)
                 share = (time.perf_counter() - tick) * 1000 / len(group)
                 by_mode[mode] = [(g, share) for g in generations]
                 continue
@@ -132,7 +134,8 @@ def evaluate_oracle(
                 generation = generate(model, tokenizer, examples[i].question,
                                       shards[i] if mode != "closed" else [], mode, max_new_tokens, choose=choose,
                                       min_confidence=min_confidence, start_beam=start_beam, reranker=reranker,
-                                      prefix=prefix, passage_scores=scores[i], passage_prior=passage_prior)
+                                      prefix=prefix, passage_scores=scores[i], passage_prior=passage_prior,
+                                      end_bias=end_bias)
                 by_mode[mode].append((generation, (time.perf_counter() - tick) * 1000))
         for position, i in enumerate(group):
             example = examples[i]

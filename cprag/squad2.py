@@ -79,10 +79,11 @@ def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, token
 
     results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                               config.seed, config.max_new_tokens, on_result=tick, batch_size=config.batch_size,
-                              passage_prior=config.passage_prior)
+                              passage_prior=config.passage_prior, end_bias=config.end_bias)
     answerable = {e.qid: e.answerable for e in examples}
     summary = summarize_squad2(results, answerable, threshold)
     summary["eval/passage_prior"] = config.passage_prior
+    summary["eval/end_bias"] = model.config.end_bias if config.end_bias is None else config.end_bias
     summary["eval/questions"] = len(examples)
     summary["eval/unanswerable"] = sum(not a for a in answerable.values())
     return summary, results

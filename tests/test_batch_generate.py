@@ -235,3 +235,66 @@ def test_the_cli_passes_the_passage_prior_and_refuses_a_negative_one(index):
     assert json.loads(run.stdout)["answer"] == expected.answer
     bad = CliRunner().invoke(app, [*base, "--passage-prior", "-1"])
     assert bad.exit_code == 2 and "--passage-prior" in bad.output and len(bad.output.strip().splitlines()) == 1
+
+
+def test_the_end_bias_cuts_or_lengthens_answers_defaults_to_the_checkpoints_and_batches_exactly(index):
+    memories = [shards(index, q, 2) if i != 5 else [] for i, q in enumerate(QUESTIONS)]
+    modes = ["hidden" if m else "closed" for m in memories]
+
+    def answers(end_bias, **options):
+        return [generate(index.model, index.tokenizer, q, m, mode, 12, end_bias=end_bias, **options)
+                for q, m, mode in zip(QUESTIONS, memories, modes, strict=True)]
+
+    plain = answers(None)  # the checkpoint's end_bias: 0 for this one
+    for single, zero in zip(plain, answers(0.0), strict=True):
+        same(single, zero)
+    # ending always wins after the first token (never the end with passages); never wins at all
+    for mode, cut in zip(modes, answers(1e4, whole_words=False), strict=True):
+        assert len(cut.token_ids) == (1 if mode == "hidden" else 0)
+    assert all(len(g.token_ids) == 12 for g in answers(-1e4))
+    index.model.config.end_bias = 1e4  # a checkpoint's own end_bias is what None means
+    try:
+        for default, cut in zip(answers(None, whole_words=False), answers(1e4, whole_words=False), strict=True):
+            same(default, cut)
+    finally:
+        index.model.config.end_bias = 0.0
+    for bias in (-3.0, 3.0):  # moderate biases move some choices; a batch still answers as one at a time
+        singles = answers(bias)
+        for max_rows in (None, 2):
+            batched = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12, max_rows=max_rows,
+                                     end_bias=bias)
+            for single, generation in zip(singles, batched, strict=True):
+                same(single, generation)
+
+
+def test_ask_and_the_cli_pass_the_end_bias_and_refuse_a_nan_one(index):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cprag.cli import app
+
+    options = dict(k=3, min_confidence=0.0, min_retrieval_score=-1.0)
+    memory = shards(index, QUESTIONS[1], 3)
+    cited = {}
+    for bias in (-1e4, 1e4):  # ask decodes with the bias it is given, as generate does
+        answer = index.ask(QUESTIONS[1], end_bias=bias, **options)
+        expected = generate(index.model, index.tokenizer, QUESTIONS[1], memory, "hidden", 32, end_bias=bias,
+                            whole_words=True, prefix=index.prefix)
+        if bias < 0:
+            assert len(expected.token_ids) == 32
+        assert answer.answer == expected.answer
+        cited[bias] = [(c.doc_id, c.start, c.end) for c in answer.citations]
+        assert cited[bias] == [(c.doc_id, c.start, c.end) for c in expected.citations]
+    if cited[-1e4]:  # heads that copy: 32 copied tokens cite more than the few before the first end
+        assert cited[-1e4] != cited[1e4]
+    long = index.ask(QUESTIONS[1], end_bias=-1e4, **options)
+    base = ["ask", QUESTIONS[1], "--index", str(index.path), "-k", "3", "--min-retrieval-score", "-1",
+            "--min-confidence", "0", "--json", "--checkpoint", str(index.checkpoint)]
+    run = CliRunner().invoke(app, [*base, "--end-bias", "-10000"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.stdout)["answer"] == long.answer
+    bad = CliRunner().invoke(app, [*base, "--end-bias", "nan"])
+    assert bad.exit_code == 2 and "--end-bias" in bad.output and len(bad.output.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match="--end-bias"):
+        index.ask(QUESTIONS[1], end_bias=float("inf"), **options)
