@@ -163,8 +163,10 @@ class Index:
             else:
                 pending.append((number, passages, read, timings, [h.score for h in found]))
         streaming = on_token is not None or cancelled is not None
-        batched = (batch_size > 1 or streaming) and start_beam == 1 and batch_supported(self.model, mode)
-        # batched: one continuous batch of at most batch_size rows, refilled as answers finish
+        # batched: one continuous batch of at most batch_size questions (each start_beam rows), refilled as answers
+        # finish; a start beam decodes its alternatives as rows of one batch even for one question
+        batched = batch_supported(self.model, mode) and (
+            (start_beam == 1 and (batch_size > 1 or streaming)) or (start_beam > 1 and not streaming))
         step = len(pending) if batched else 1
         for first in range(0, len(pending), max(step, 1)):
             group = pending[first : first + step]
@@ -173,7 +175,8 @@ class Index:
                 numbers = [n for n, *_ in group]
                 generations = generate_batch(
                     self.model, self.tokenizer, [questions[n] for n in numbers], [p for _, p, *_ in group],
-                    max_new_tokens, min_confidence=threshold, prefix=self.prefix, max_rows=batch_size,
+                    max_new_tokens, min_confidence=threshold, prefix=self.prefix, max_rows=batch_size * start_beam,
+                    start_beam=start_beam, reranker=self.reranker,
                     passage_scores=[scores for *_, scores in group], passage_prior=weight, end_bias=end_bias,
                     on_token=None if on_token is None else
                     lambda row, token, source, numbers=numbers: on_token(numbers[row], token, source),

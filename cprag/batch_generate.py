@@ -11,8 +11,11 @@ words, drafting): the same choices at every step, from the same mixture. A row t
 passage's next tokens, as the single-question decoder does, and the pass checks every row's draft at once: rows
 feed drafts of different lengths, right padded to the longest. What a row did not keep (rejected drafts and its
 padding) is rolled to the front of its cache row and masked, so each row's kept positions stay contiguous at the
-right, as the left-padded prompt started them. The start beam belongs to the single-question decoder; a model
-with a query refiner (whose window would read the padding) is decoded one question at a time.
+right, as the left-padded prompt started them. With a start beam of B, a question is B rows: row r starts from
+the r-th most probable first token (as `generate` orders them) and decodes greedily from there, and the question's
+answer is the one its reranker (or, without one, the likeliest) picks, so B alternatives cost one batch's passes
+rather than B passes each. A model with a query refiner (whose window would read the padding) is decoded one
+question at a time.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from cprag.generate import (
     generate,
     lexical_prior,
     shared_memory,
+    span_candidates,
     step_entry_ids,
     with_end_bias,
     without_stops,
@@ -45,6 +49,7 @@ from cprag.model import ContextState, CopyMemory
 from cprag.passage_prior import passage_bias
 from cprag.prompt import end_of_turn_id, prompt_ids
 from cprag.prompt_prefix import PromptPrefix
+from cprag.rerank import StartReranker
 
 
 @dataclass
@@ -68,6 +73,8 @@ class _Row:
     stop_probability: float | None = None
     no_answer: bool = False
     done: bool = False
+    rank: int = 0  # the start beam's rank of the first token this row starts from (0: the greedy one)
+    prior: torch.Tensor | None = None  # (M_i, F) lexical features of the entries (what the reranker reads)
     on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None
     passage_scores: Sequence[float] | None = None  # the retriever's score of each passage (the passage prior)
 
@@ -84,7 +91,8 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
                    cancelled: Callable[[int], bool] | None = None, draft_tokens: int = 8,
                    prefix: PromptPrefix | None = None, max_rows: int | None = None,
                    passage_scores: list[Sequence[float] | None] | None = None, passage_prior: float = 0.0,
-                   end_bias: float | None = None) -> list[Generation]:
+                   end_bias: float | None = None, start_beam: int = 1, reranker: StartReranker | None = None
+                   ) -> list[Generation]:
     """Greedy answers to `questions`, question i from `passages[i]`, decoded together: the same answers,
     sources, confidences and citations as `generate` gives each question alone.
 
@@ -97,14 +105,25 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
     long answer does not hold back the questions after it.
 
     `passage_scores[i]` (the retriever's score of each of question i's passages) with `passage_prior` > 0 adds
-    the passage prior (`cprag.passage_prior`) to question i's copy scores; `end_bias`: see `generate`."""
+    the passage prior (`cprag.passage_prior`) to question i's copy scores; `end_bias`: see `generate`.
+
+    `start_beam` B > 1 decodes each question with passages as B rows, from its B most probable first tokens, and
+    answers with the alternative `reranker` picks (the likeliest without one): `generate`'s start beam, with
+    every alternative of every question in one batch (`max_rows` counts rows). Not with `on_token`/`cancelled`:
+    a stream would hear the alternatives not chosen."""
     if len(questions) != len(passages):
         raise ValueError(f"{len(questions)} questions but {len(passages)} passage lists")
+    if start_beam < 1:
+        raise ValueError(f"start_beam must be at least 1, not {start_beam}")
+    if start_beam > 1 and (on_token is not None or cancelled is not None):
+        raise ValueError("a start beam decodes alternatives a stream must not hear: use start_beam=1 to stream")
     scores = passage_scores if passage_scores is not None else [None] * len(questions)
-    if not batch_supported(model, mode) or (len(questions) == 1 and on_token is None and cancelled is None):
+    alone = len(questions) == 1 and on_token is None and cancelled is None and (start_beam == 1 or not passages[0])
+    if not batch_supported(model, mode) or alone:
         return [generate(model, tokenizer, q, p, mode, max_new_tokens, whole_words=whole_words,
                          min_confidence=min_confidence, draft_tokens=draft_tokens, prefix=prefix,
-                         passage_scores=s, passage_prior=passage_prior, end_bias=end_bias)
+                         passage_scores=s, passage_prior=passage_prior, end_bias=end_bias, start_beam=start_beam,
+                         reranker=reranker)
                 for q, p, s in zip(questions, passages, scores, strict=True)]
     window = model.config.max_position_embeddings
     prompts = [prompt_ids(tokenizer, q) for q in questions]
@@ -112,15 +131,17 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
         if len(prompt) + max_new_tokens > window:
             raise QuestionTooLong(len(prompt) + max_new_tokens, window)
     device = next(model.parameters()).device
-    rows = []
-    for prompt, shards in zip(prompts, passages, strict=True):
+    rows = []  # question i's rows in rank order; rows[n].index is the question row n answers
+    for number, (prompt, shards) in enumerate(zip(prompts, passages, strict=True)):
         memory, owner, position = shared_memory(shards)
         continues = inside_word(tokenizer, memory.ids[0]) if memory is not None and whole_words else None
         memory_ids = [] if memory is None else memory.ids[0].tolist()
-        rows.append(_Row(len(rows), prompt, shards, owner, position, continues, memory_ids, [], [], [], [],
-                         on_token=on_token, passage_scores=scores[len(rows)]))
+        for rank in range(start_beam if shards else 1):  # without passages the first token is greedy's
+            rows.append(_Row(number, prompt, shards, owner, position, continues, memory_ids, [], [], [], [],
+                             rank=rank, on_token=on_token, passage_scores=scores[number]))
     stop = {end_of_turn_id(tokenizer), tokenizer.eos_token_id}
-    setup = SimpleNamespace(model=model, tokenizer=tokenizer, questions=questions, rows=rows, prefix=prefix,
+    setup = SimpleNamespace(model=model, tokenizer=tokenizer, questions=[questions[row.index] for row in rows],
+                            rows=rows, prefix=prefix, start_beam=start_beam,
                             device=device, stop=stop, min_confidence=min_confidence, max_new_tokens=max_new_tokens,
                             passage_prior=passage_prior,
                             end_bias=model.config.end_bias if end_bias is None else end_bias)
@@ -145,20 +166,32 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
             break
         _step(setup, running, draft_tokens)
 
-    generations = []
+    by_question: list[list[_Row]] = [[] for _ in questions]
     for row in rows:
-        generation = Generation(
-            answer="" if row.no_answer else tokenizer.decode(row.tokens, skip_special_tokens=True).strip(),
-            token_ids=[] if row.no_answer else row.tokens, sources=[] if row.no_answer else row.sources,
-            prompt_tokens=len(row.prompt), confidence=row.confidence, no_answer=row.no_answer,
-            stop_probability=row.stop_probability,
-        )
-        if not row.no_answer:
-            generation.alternatives = [Alternative(generation.answer, row.tokens, row.sources,
-                                                   sum(row.log_probs) + row.end_log_prob, row.log_probs, row.entries)]
-        generation.citations = citations(generation, row.passages) if row.passages else []
-        generations.append(generation)
-    return generations
+        by_question[row.index].append(row)
+    return [_generation(tokenizer, questions[number], beam, reranker) for number, beam in enumerate(by_question)]
+
+
+def _generation(tokenizer, question: str, beam: list[_Row], reranker: StartReranker | None) -> Generation:
+    """A question's generation from its rows (one per start, greedy's first), as `generate` reports it."""
+    greedy = beam[0]
+    generation = Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(greedy.prompt),
+                            confidence=greedy.confidence, no_answer=greedy.no_answer,
+                            stop_probability=greedy.stop_probability)
+    if greedy.no_answer:  # every row of the question abstained with it: the same first step
+        return generation
+    alternatives = [Alternative(tokenizer.decode(row.tokens, skip_special_tokens=True).strip(), row.tokens,
+                                row.sources, sum(row.log_probs) + row.end_log_prob, row.log_probs, row.entries)
+                    for row in beam]
+    best = alternatives[0]
+    if len(alternatives) > 1 and reranker is not None:
+        best = alternatives[reranker.choose(question, span_candidates(alternatives, greedy.prior, greedy.owner))]
+    elif len(alternatives) > 1:
+        best = max(alternatives, key=lambda a: a.score())
+    generation.answer, generation.token_ids, generation.sources = best.answer, best.token_ids, best.sources
+    generation.alternatives = alternatives
+    generation.citations = citations(generation, greedy.passages) if greedy.passages else []
+    return generation
 
 
 @dataclass
@@ -241,6 +274,9 @@ def _start(setup, numbers: list[int]) -> _Running:
         if row.confidence < setup.min_confidence:
             row.no_answer = row.done = True
             continue
+        if row.rank:  # the rank-th of the next most probable first tokens, as `generate`'s start beam takes them
+            others = [int(t) for t in step.log_probs.topk(setup.start_beam + 1).indices if int(t) != token]
+            token = others[row.rank - 1]
         _emit(row, token, copied_source(step, token, view), step)
         row.done = len(row.tokens) >= max_new_tokens
     context = out.context if unused is None else _drop_unused(out.context, unused)
@@ -333,6 +369,7 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
         mask[i, :n] = True
         end_allowed[i, :n] = True if row.continues is None else ~row.continues.to(device)
         features = lexical_prior(model, tokenizer, question, ids[i, :n])
+        row.prior = None if features is None else features[0]
         if features is not None:
             if prior is None:
                 prior = torch.zeros((batch, size, features.shape[-1]), dtype=features.dtype, device=device)

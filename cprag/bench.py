@@ -101,6 +101,34 @@ def latency_hidden_vs_visible(index, questions: list[str], ks=(1, 5, 10), new_to
     return figures
 
 
+def start_beam_latency(index, questions: list[str], k: int = 5, beam: int = 4) -> dict[str, float]:
+    """Per-question ask latency (warm shards, answers to their natural end) greedy, and with a start beam of
+    `beam` decoded as rows of one batch (as `ask` does) or one start after another (`generate`), and whether the
+    two beams answered alike."""
+    k = min(k, len(index))
+    options = dict(k=k, min_confidence=0.0, min_retrieval_score=-1.0)
+    times: dict[str, list[float]] = {"greedy": [], "rows": [], "sequential": []}
+    same = True
+    for question in questions:
+        hits = index.retrieve([question], k)[0]
+        passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
+        scores = [h.score for h in hits]
+        seconds, _ = _timed(lambda q=question: index.ask(q, **options), 1)
+        times["greedy"].append(seconds)
+        seconds, rows = _timed(lambda q=question: index.ask(q, start_beam=beam, **options), 1)
+        times["rows"].append(seconds)
+        seconds, alone = _timed(lambda q=question, p=passages, s=scores: generate(
+            index.model, index.tokenizer, q, p, "hidden", start_beam=beam, reranker=index.reranker,
+            prefix=index.prefix, passage_scores=s, passage_prior=index.passage_prior), 1)
+        times["sequential"].append(seconds)
+        same = same and rows.answer == alone.answer
+    median = {name: float(np.median(values)) for name, values in times.items()}
+    return {**{f"latency/beam{beam}_{name}@k{k}_ms": round(s * 1000, 1) for name, s in median.items()},
+            f"latency/beam{beam}_rows_over_greedy": round(median["rows"] / median["greedy"], 2),
+            f"latency/beam{beam}_rows_over_sequential": round(median["rows"] / median["sequential"], 2),
+            f"latency/beam{beam}_answers_identical": int(same)}
+
+
 def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -> dict[str, float]:
     """Questions per second when every shard must be loaded (cache cleared each time) vs already cached."""
     def run(clear: bool) -> float:

@@ -803,6 +803,7 @@ def eval_bench_command(
         encode_vs_forward,
         latency_hidden_vs_visible,
         memory_figures,
+        start_beam_latency,
         warm_vs_cold,
         write_bench_report,
     )
@@ -845,6 +846,8 @@ def eval_bench_command(
             figures.update(encode_vs_forward(model, tokenizer, [d.text for d in chosen]))
         with err.status("hidden vs visible latency"):
             figures.update(latency_hidden_vs_visible(opened, asked))
+        with err.status("start beam 4 against greedy"):
+            figures.update(start_beam_latency(opened, asked))
         with err.status("warm vs cold key-shard cache"):
             figures.update(warm_vs_cold(opened, asked))
         if batch_questions > 0:

@@ -283,7 +283,8 @@ def generate(
             if extra > 0:
                 context.cache.crop(-extra)  # back to the prompt for the next start
         if reranker is not None:
-            best = alternatives[reranker.choose(question, _span_candidates(alternatives, memory, owner))]
+            prior = memory.prior[0] if memory.prior is not None else None
+            best = alternatives[reranker.choose(question, span_candidates(alternatives, prior, owner))]
         else:
             best = max(alternatives, key=lambda a: a.score(length_penalty))
     else:
@@ -309,10 +310,10 @@ def lexical_prior(model, tokenizer, question: str, ids: torch.Tensor) -> torch.T
                             config.lexical_sentence_starts).unsqueeze(0).to(ids.device)
 
 
-def _span_candidates(alternatives: list[Alternative], memory: CopyMemory, owner: torch.Tensor
-                     ) -> list[SpanCandidate]:
-    """What the reranker reads of each alternative: its probabilities, and the lexical features at its ends."""
-    prior = memory.prior[0] if memory.prior is not None else None  # (M, F)
+def span_candidates(alternatives: list[Alternative], prior: torch.Tensor | None, owner: torch.Tensor
+                    ) -> list[SpanCandidate]:
+    """What the reranker reads of each alternative: its probabilities, and the lexical features (`prior`, (M, F)
+    over the memory's entries) at its ends."""
     candidates = []
     for a in alternatives:
         first, last = (a.entries[0], a.entries[-1]) if a.entries else (None, None)

@@ -111,7 +111,7 @@ def evaluate_oracle(
     chosen = [oracle_passage_ids(example, all_ids, distractors, rng) for example in examples]  # the seeded draws
     scores = (retrieval_scores([e.question for e in examples], chosen, passages, memory.device)
               if passage_prior > 0 else [None] * len(examples))
-    batched = batch_size > 1 and start_beam == 1 and choose == "token" and batch_supported(model, "hidden")
+    batched = (batch_size > 1 or start_beam > 1) and choose == "token" and batch_supported(model, "hidden")
     results = []
     for first in range(0, len(examples), batch_size if batched else 1):
         group = list(range(first, min(first + (batch_size if batched else 1), len(examples))))
@@ -124,7 +124,7 @@ def evaluate_oracle(
                                              [shards[i] for i in group], max_new_tokens,
                                              min_confidence=min_confidence, prefix=prefix,
                                              passage_scores=[scores[i] for i in group], passage_prior=passage_prior,
-                                             end_bias=end_bias)
+                                             end_bias=end_bias, start_beam=start_beam, reranker=reranker)
                 share = (time.perf_counter() - tick) * 1000 / len(group)
                 by_mode[mode] = [(g, share) for g in generations]
                 continue

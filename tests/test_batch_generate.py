@@ -298,3 +298,46 @@ def test_ask_and_the_cli_pass_the_end_bias_and_refuse_a_nan_one(index):
     assert bad.exit_code == 2 and "--end-bias" in bad.output and len(bad.output.strip().splitlines()) == 1
     with pytest.raises(ConfigError, match="--end-bias"):
         index.ask(QUESTIONS[1], end_bias=float("inf"), **options)
+
+
+def test_a_start_beam_decodes_its_alternatives_as_rows_and_answers_as_generate_does(index):
+    from cprag.rerank import StartReranker, feature_count, prior_feature_count
+
+    memories = [shards(index, q, 1 + i % 3) if i != 5 else [] for i, q in enumerate(QUESTIONS)]
+    size = feature_count(prior_feature_count(index.model.config))
+    weights = torch.randn(size, generator=torch.Generator().manual_seed(0)).tolist()
+    rerankers = {"likeliest": None, "reranker": StartReranker(weights, [0.0] * size, [1.0] * size, 3, {})}
+    for name, reranker in rerankers.items():
+        singles = [generate(index.model, index.tokenizer, q, m, "hidden" if m else "closed", 12, start_beam=3,
+                            reranker=reranker) for q, m in zip(QUESTIONS, memories, strict=True)]
+        assert any(len(g.alternatives) == 3 for g in singles)
+        for max_rows in (None, 4):  # 4 rows: alternatives of one question in different passes of the batch
+            batched = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12, max_rows=max_rows,
+                                     start_beam=3, reranker=reranker)
+            for single, generation in zip(singles, batched, strict=True):
+                same(single, generation)
+                assert [(a.answer, a.token_ids, a.sources, a.entries) for a in generation.alternatives] == \
+                    [(a.answer, a.token_ids, a.sources, a.entries) for a in single.alternatives], name
+                assert [a.log_prob for a in generation.alternatives] == pytest.approx(
+                    [a.log_prob for a in single.alternatives], abs=1e-4)
+    # abstention is the greedy first token's, for every alternative
+    withheld = generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12, start_beam=3, min_confidence=1.0)
+    assert all(g.no_answer and not g.alternatives for g, m in zip(withheld, memories, strict=True) if m)
+    with pytest.raises(ValueError, match="stream"):
+        generate_batch(index.model, index.tokenizer, QUESTIONS, memories, 12, start_beam=2,
+                       on_token=lambda *_: None)
+
+
+def test_ask_many_decodes_a_start_beam_in_one_batch_with_the_answers_of_one_at_a_time(index):
+    options = dict(k=3, min_confidence=0.0, min_retrieval_score=-1.0, start_beam=3)
+    one_by_one = [index.ask(q, **options) for q in QUESTIONS]
+    for batch_size in (1, 4):
+        many = index.ask_many(QUESTIONS, batch_size=batch_size, **options)
+        for a, b in zip(one_by_one, many, strict=True):
+            assert (a.answer, a.no_answer) == (b.answer, b.no_answer)
+            assert [(c.doc_id, c.start, c.end) for c in a.citations] == \
+                [(c.doc_id, c.start, c.end) for c in b.citations]
+    memory = shards(index, QUESTIONS[0], 3)
+    alone = generate(index.model, index.tokenizer, QUESTIONS[0], memory, "hidden", 32, start_beam=3,
+                     reranker=index.reranker, prefix=index.prefix, passage_scores=None)
+    assert one_by_one[0].answer == alone.answer  # what ask answers is the single decoder's start-beam answer

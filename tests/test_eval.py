@@ -178,6 +178,8 @@ def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
                 "batch/qps@16_over_qps@1"):
         assert figures[key] > 0
     assert figures["batch/answers_identical"] == 1 and figures["batch/questions"] == 6
+    assert figures["latency/beam4_answers_identical"] == 1  # a start beam as rows answers as one start at a time
+    assert figures["latency/beam4_rows@k5_ms"] > 0 and figures["latency/beam4_rows_over_greedy"] > 0
     assert figures["bench/dtype"] == "float32" and figures["bench/device"] == "cpu"
     assert figures["memory/keys_bytes_per_token"] < figures["memory/kv_bytes_per_token"]
     assert 5 < figures["latency/passage_tokens_mean@k5"] < figures["latency/visible_prompt_tokens@k5"]

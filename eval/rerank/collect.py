@@ -9,7 +9,9 @@ log-probabilities, its first and last memory entries' lexical features, and its 
 `--unseen` keeps training-file questions from articles the shipped checkpoint never trained on (its run saw the
 first `--seen` questions of its seeded article-grouped order), so the reranker learns from answers as wrong as
 unseen ones are. Without it the sample is the seeded one `cprag eval squad FILE --oracle --limit N` asks, with the
-same memories (gold passage + 4 same-article distractors). Records stream to OUT; a rerun resumes.
+same memories (gold passage + 4 same-article distractors). The checkpoint's passage prior is on, as in `eval squad`
+(`--passage-prior 0` turns it off). Questions are decoded `--batch-size` at a time, each start a row of the batch
+(`generate_batch`, the same alternatives as `generate`). Records stream to OUT; a rerun resumes.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+from cprag.api import load_passage_prior
+from cprag.batch_generate import generate_batch
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
 from cprag.evaluate import sample_examples
-from cprag.generate import generate, lexical_prior, shared_memory
+from cprag.generate import lexical_prior, shared_memory
 from cprag.metrics import squad2_question_scores
-from cprag.qa_eval import OracleMemory, oracle_passage_ids
+from cprag.prompt_prefix import prompt_prefix
+from cprag.qa_eval import OracleMemory, oracle_passage_ids, retrieval_scores
 from cprag.recipe import unseen_articles
 from cprag.squad import read_squad
 
@@ -42,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seen", type=int, default=32_000, help="questions the checkpoint's run trained on")
     parser.add_argument("--articles", type=int, help="with --unseen: a seeded sample of this many of those articles "
                         "(their passages are encoded once and shared by their questions: 3 times faster)")
+    parser.add_argument("--passage-prior", type=float, help="default: the checkpoint's weight")
+    parser.add_argument("--batch-size", type=int, default=8, help="questions decoded together")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.checkpoint)
     data = read_squad(args.data)
@@ -54,38 +61,49 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = {json.loads(line)["qid"] for line in args.out.read_text().splitlines()} if args.out.is_file() else set()
     memory, all_ids = OracleMemory(model, tokenizer, data.passages), sorted(data.passages)
-    rng, started = random.Random(args.seed), time.time()
-    for example in examples:
-        chosen = oracle_passage_ids(example, all_ids, 4, rng)  # drawn for every question: the same memories
-        if example.qid in done:
-            continue
-        shards = memory.get(chosen)
-        generation = generate(model, tokenizer, example.question, shards, "hidden", 32, start_beam=args.beam)
-        entries_memory, owner, _ = shared_memory(shards)
-        prior = lexical_prior(model, tokenizer, example.question, entries_memory.ids[0])[0]  # (M, F)
-        gold = chosen.index(example.passage_id)
-        alternatives = []
-        for alternative in generation.alternatives:
-            first, last = (alternative.entries[0], alternative.entries[-1]) if alternative.entries else (None, None)
-            em, f1 = squad2_question_scores(alternative.answer, example.answers)
-            alternatives.append({
-                "answer": alternative.answer, "log_prob": alternative.log_prob,
-                "token_log_probs": alternative.token_log_probs,
-                "first_entry": first, "last_entry": last,
-                "first_prior": None if first is None else [round(float(v), 4) for v in prior[first]],
-                "last_prior": None if last is None else [round(float(v), 4) for v in prior[last]],
-                "passage": None if first is None else int(owner[first]), "em": 100 * em, "f1": 100 * f1,
-            })
-        record = {"qid": example.qid, "question": example.question, "gold_passage": gold,
-                  "confidence": generation.confidence, "stop_probability": generation.stop_probability,
-                  "alternatives": alternatives}
-        with open(args.out, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
-        done.add(example.qid)
-        if len(done) % 25 == 0:
-            print(f"{time.strftime('%H:%M:%S')} {len(done)}/{len(examples)} "
-                  f"({(time.time() - started) / 60:.1f} min)", file=sys.stderr, flush=True)
+    weight = load_passage_prior(args.checkpoint) if args.passage_prior is None else args.passage_prior
+    rng = random.Random(args.seed)
+    drawn = [oracle_passage_ids(e, all_ids, 4, rng) for e in examples]  # drawn for every question: the same memories
+    todo = [i for i, e in enumerate(examples) if e.qid not in done]
+    scores = retrieval_scores([examples[i].question for i in todo], [drawn[i] for i in todo], data.passages)
+    memory.get(sorted({pid for i in todo for pid in drawn[i]}))  # every passage at once, in full batches
+    prefix, started = prompt_prefix(model, tokenizer), time.time()
+    for first in range(0, len(todo), args.batch_size):
+        group = todo[first : first + args.batch_size]
+        generations = generate_batch(model, tokenizer, [examples[i].question for i in group],
+                                     [memory.get(drawn[i]) for i in group], 32, prefix=prefix,
+                                     passage_scores=scores[first : first + len(group)], passage_prior=weight,
+                                     start_beam=args.beam)
+        for i, generation in zip(group, generations, strict=True):
+            record(args.out, examples[i], drawn[i], memory.get(drawn[i]), generation, model, tokenizer)
+            done.add(examples[i].qid)
+        print(f"{time.strftime('%H:%M:%S')} {len(done)}/{len(examples)} ({(time.time() - started) / 60:.1f} min)",
+              file=sys.stderr, flush=True)
     return 0
+
+
+def record(out: Path, example, chosen: list[str], shards, generation, model, tokenizer) -> None:
+    """One question's alternatives, as the reranker's fit reads them, appended to `out`."""
+    entries_memory, owner, _ = shared_memory(shards)
+    prior = lexical_prior(model, tokenizer, example.question, entries_memory.ids[0])[0]  # (M, F)
+    gold = chosen.index(example.passage_id)
+    alternatives = []
+    for alternative in generation.alternatives:
+        first, last = (alternative.entries[0], alternative.entries[-1]) if alternative.entries else (None, None)
+        em, f1 = squad2_question_scores(alternative.answer, example.answers)
+        alternatives.append({
+            "answer": alternative.answer, "log_prob": alternative.log_prob,
+            "token_log_probs": alternative.token_log_probs,
+            "first_entry": first, "last_entry": last,
+            "first_prior": None if first is None else [round(float(v), 4) for v in prior[first]],
+            "last_prior": None if last is None else [round(float(v), 4) for v in prior[last]],
+            "passage": None if first is None else int(owner[first]), "em": 100 * em, "f1": 100 * f1,
+        })
+    row = {"qid": example.qid, "question": example.question, "gold_passage": gold,
+           "confidence": generation.confidence, "stop_probability": generation.stop_probability,
+           "alternatives": alternatives}
+    with open(out, "a") as handle:
+        handle.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
