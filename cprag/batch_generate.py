@@ -360,6 +360,7 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
     mask = torch.zeros((batch, size), dtype=torch.bool, device=device)
     end_allowed = torch.zeros((batch, size), dtype=torch.bool, device=device)
     prior, bias = None, None
+    computed: dict[int, torch.Tensor | None] = {}  # a question's lexical features, shared by its start-beam rows
     for i, (question, shards, row) in enumerate(zip(questions, passages, rows, strict=True)):
         if not shards:
             continue
@@ -368,7 +369,9 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
         ids[i, :n] = torch.cat([p.ids for p in shards])
         mask[i, :n] = True
         end_allowed[i, :n] = True if row.continues is None else ~row.continues.to(device)
-        features = lexical_prior(model, tokenizer, question, ids[i, :n])
+        if row.index not in computed:
+            computed[row.index] = lexical_prior(model, tokenizer, question, ids[i, :n])
+        features = computed[row.index]
         row.prior = None if features is None else features[0]
         if features is not None:
             if prior is None:

@@ -16,7 +16,7 @@ from cprag.backbone import BaseReference, default_reference
 from cprag.checkpoint import load_trained_tensors, model_fingerprint, new_cplm
 from cprag.evaluate import sample_examples
 from cprag.features import Examples, activation_cache, prepare_examples
-from cprag.qa_eval import evaluate_oracle, summarize
+from cprag.qa_eval import evaluate_oracle, oracle_passage_ids, summarize
 from cprag.squad import SquadData, article_split, read_squad
 from cprag.train import STATE_FILE, TrainData, _article_grouped_order, teacher_forced_validation, train_model
 from cprag.train_config import TrainConfig
@@ -92,6 +92,22 @@ def unseen_articles(data_path: str | Path, tokenizer, seen: int, seed: int = 0) 
     order = _article_grouped_order(questions, random.Random(seed))  # the run's first draw from its seeded rng
     trained = {questions[i].article for i in order[:seen]}
     return {q.article for q in questions} - trained
+
+
+def fit_questions(data_path: str | Path, data: SquadData, tokenizer, questions: int, seed: int = 0,
+                  seen: int | None = None, articles: int | None = None) -> tuple[list, list[list[str]]]:
+    """The seeded questions an inference-time fit reads (`eval/passage-prior/`, `eval/end-bias/`,
+    `eval/rerank/`), each with the memory `cprag eval squad --oracle` draws for it (its passage and 4 same-article
+    distractors): from the articles a run that trained on its first `seen` questions never saw (a seeded sample
+    of `articles` of them), or from every article when `seen` is None. Returns (examples, passage ids of each)."""
+    chosen = None
+    if seen is not None:
+        chosen = sorted(unseen_articles(data_path, tokenizer, seen, seed))
+        if articles:
+            chosen = sorted(random.Random(seed).sample(chosen, articles))
+    examples = sample_examples(data, questions, seed, tuple(chosen) if chosen else None)
+    ids, rng = sorted(data.passages), random.Random(seed)
+    return examples, [oracle_passage_ids(e, ids, 4, rng) for e in examples]
 
 
 def screen_variant(prepared: Prepared, config: TrainConfig, validation_limit: int = 2000) -> dict:

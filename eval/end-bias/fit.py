@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -34,14 +33,13 @@ from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
 from cprag.config import CPLMConfig
 from cprag.decode_step import Step, shared_memory
 from cprag.encode import tokenize_passage
-from cprag.evaluate import sample_examples
 from cprag.generate import lexical_prior
 from cprag.lexical import inside_word
 from cprag.passage_prior import passage_bias
 from cprag.prompt import end_of_turn_id, prompt_ids
 from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, oracle_passage_ids, retrieval_scores
-from cprag.recipe import unseen_articles
+from cprag.qa_eval import OracleMemory, retrieval_scores
+from cprag.recipe import fit_questions
 from cprag.squad import answer_token_span, read_squad
 
 BIASES = (2, 1, 0.5, 0, -0.5, -1, -1.5, -2, -2.5, -3, -4, -5, -6)
@@ -106,14 +104,8 @@ def collect(args) -> list[dict]:
     model, tokenizer = load_model(args.checkpoint)
     prior = load_passage_prior(args.checkpoint)
     data = read_squad(args.data)
-    articles = None
-    if args.unseen:
-        articles = sorted(unseen_articles(args.data, tokenizer, args.seen, args.seed))
-        if args.articles:
-            articles = sorted(random.Random(args.seed).sample(articles, args.articles))
-    examples = sample_examples(data, args.questions, args.seed, tuple(articles) if articles else None)
-    ids, rng = sorted(data.passages), random.Random(args.seed)
-    chosen = [oracle_passage_ids(e, ids, 4, rng) for e in examples]  # the draws eval squad --oracle makes
+    examples, chosen = fit_questions(args.data, data, tokenizer, args.questions, args.seed,
+                                     args.seen if args.unseen else None, args.articles)
     done = {}
     if args.records.exists():
         done = {r["qid"]: r for r in map(json.loads, args.records.read_text().splitlines())}

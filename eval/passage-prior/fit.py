@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -28,13 +27,12 @@ import torch
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
 from cprag.decode_step import Step, shared_memory
 from cprag.encode import tokenize_passage
-from cprag.evaluate import sample_examples
 from cprag.generate import lexical_prior
 from cprag.passage_prior import PassagePrior
 from cprag.prompt import prompt_ids
 from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, oracle_passage_ids, retrieval_scores
-from cprag.recipe import unseen_articles
+from cprag.qa_eval import OracleMemory, retrieval_scores
+from cprag.recipe import fit_questions
 from cprag.squad import read_squad
 
 WEIGHTS = (0, 1, 2, 4, 6, 8, 10, 12, 15, 20, 25, 30, 40)
@@ -63,14 +61,8 @@ def answer_entries(tokenizer, text: str, answers: list[str], offset: int) -> lis
 def collect(args) -> list[dict]:
     model, tokenizer = load_model(args.checkpoint)
     data = read_squad(args.data)
-    articles = None
-    if args.unseen:
-        articles = sorted(unseen_articles(args.data, tokenizer, args.seen, args.seed))
-        if args.articles:
-            articles = sorted(random.Random(args.seed).sample(articles, args.articles))
-    examples = sample_examples(data, args.questions, args.seed, tuple(articles) if articles else None)
-    ids, rng = sorted(data.passages), random.Random(args.seed)
-    chosen = [oracle_passage_ids(e, ids, 4, rng) for e in examples]  # the draws eval squad --oracle makes
+    examples, chosen = fit_questions(args.data, data, tokenizer, args.questions, args.seed,
+                                     args.seen if args.unseen else None, args.articles)
     done = {}
     if args.records.exists():
         done = {r["qid"]: r for r in map(json.loads, args.records.read_text().splitlines())}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -26,12 +25,11 @@ from pathlib import Path
 from cprag.api import load_passage_prior
 from cprag.batch_generate import generate_batch
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
-from cprag.evaluate import sample_examples
 from cprag.generate import lexical_prior, shared_memory
 from cprag.metrics import squad2_question_scores
 from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, oracle_passage_ids, retrieval_scores
-from cprag.recipe import unseen_articles
+from cprag.qa_eval import OracleMemory, retrieval_scores
+from cprag.recipe import fit_questions
 from cprag.squad import read_squad
 
 
@@ -52,18 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.checkpoint)
     data = read_squad(args.data)
-    articles = tuple(sorted(unseen_articles(args.data, tokenizer, args.seen, args.seed))) if args.unseen else None
-    if articles:
-        print(f"{len(articles)} unseen articles", file=sys.stderr)
-        if args.articles:
-            articles = tuple(sorted(random.Random(args.seed).sample(articles, args.articles)))
-    examples = sample_examples(data, args.questions, args.seed, articles)
+    examples, drawn = fit_questions(args.data, data, tokenizer, args.questions, args.seed,
+                                    args.seen if args.unseen else None, args.articles)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done = {json.loads(line)["qid"] for line in args.out.read_text().splitlines()} if args.out.is_file() else set()
-    memory, all_ids = OracleMemory(model, tokenizer, data.passages), sorted(data.passages)
+    memory = OracleMemory(model, tokenizer, data.passages)
     weight = load_passage_prior(args.checkpoint) if args.passage_prior is None else args.passage_prior
-    rng = random.Random(args.seed)
-    drawn = [oracle_passage_ids(e, all_ids, 4, rng) for e in examples]  # drawn for every question: the same memories
     todo = [i for i, e in enumerate(examples) if e.qid not in done]
     scores = retrieval_scores([examples[i].question for i in todo], [drawn[i] for i in todo], data.passages)
     memory.get(sorted({pid for i in todo for pid in drawn[i]}))  # every passage at once, in full batches
