@@ -17,7 +17,7 @@ from cprag.generate import MODES, Citation, generate
 from cprag.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
 from cprag.prompt import prompt_ids
 from cprag.prompt_prefix import PromptPrefix, prompt_prefix
-from cprag.rerank import RERANKER_FILE, StartReranker
+from cprag.rerank import RERANKER_FILE, StartReranker, default_start_beam
 from cprag.retrieve import MiniLMEmbedder
 from cprag.runtime import default_device, resolve_dtype
 from cprag.snapshot import open_snapshot
@@ -28,8 +28,9 @@ from cprag.store import check_model, directory_bytes, read_manifest
 # in-corpus questions fall; on 2,818 SQuAD dev questions whose article is indexed 0.25% fall below 0.25, and 15.5%
 # of 2,847 questions whose article is not (eval/retrieval_floor.py, eval/retrieval-floor/)
 MIN_RETRIEVAL_SCORE = 0.25
-# first tokens decoded per question; the likeliest whole answer is kept (1: plain greedy; eval/start-beam/)
-START_BEAM = 1
+# first tokens decoded per question (`--start-beam`): None means the checkpoint's default, the beam its start
+# reranker was fitted for (cprag.rerank.default_start_beam; greedy without one, and always greedy when streaming)
+START_BEAM = None
 # questions decoded per backbone pass by `Index.ask_many` and `ask --questions` (cprag.batch_generate)
 BATCH_SIZE = 16
 
@@ -97,6 +98,11 @@ class Index:
             self._prefix = prompt_prefix(self.model, self.tokenizer)
         return self._prefix
 
+    @property
+    def start_beam(self) -> int:
+        """The default start beam: the one the checkpoint's start reranker was fitted for (1 without one)."""
+        return default_start_beam(self.reranker)
+
     def __len__(self) -> int:
         return len(self.passage_index)
 
@@ -117,12 +123,13 @@ class Index:
 
     def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
             min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
-            start_beam: int = START_BEAM, passage_prior: float | None = None,
+            start_beam: int | None = START_BEAM, passage_prior: float | None = None,
             end_bias: float | None = None) -> Answer:
         """Answer from the k retrieved passages. Withheld as "no answer": questions whose best passage scores
         below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
         `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0). `start_beam` first tokens are decoded
-        and the checkpoint's start reranker (`self.reranker`; without one, the likeliest) picks the answer.
+        and the checkpoint's start reranker (`self.reranker`; without one, the likeliest) picks the answer
+        (default: `self.start_beam`, the beam the reranker was fitted for; 1 is plain greedy, the fastest).
         `passage_prior` weighs the retrieval scores into the copy scores (default: the checkpoint's; 0: off);
         `end_bias` is added to ending's log-probability (default: the checkpoint's; 0: off)."""
         return self.ask_many([question], k, mode, max_new_tokens, min_confidence, min_retrieval_score, start_beam,
@@ -130,7 +137,7 @@ class Index:
 
     def ask_many(self, questions: list[str], k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
                  min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
-                 start_beam: int = START_BEAM, batch_size: int = BATCH_SIZE,
+                 start_beam: int | None = START_BEAM, batch_size: int = BATCH_SIZE,
                  on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
                  cancelled: Callable[[int], bool] | None = None, passage_prior: float | None = None,
                  end_bias: float | None = None) -> list[Answer]:
@@ -138,7 +145,11 @@ class Index:
         the same answers as one at a time, in fewer passes. Every question is checked before any is answered.
 
         In hidden greedy decoding, `on_token(i, token, source)` hears question i's tokens as they are chosen and
-        `cancelled(i)` stops question i early (`cprag.batch_generate.generate_batch`)."""
+        `cancelled(i)` stops question i early (`cprag.batch_generate.generate_batch`); with either, the default
+        start beam is 1 (a stream must not hear the alternatives not chosen)."""
+        streaming = on_token is not None or cancelled is not None
+        if start_beam is None:
+            start_beam = 1 if streaming else self.start_beam
         threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
                                 max_new_tokens)
         weight = self.passage_prior if passage_prior is None else check_weight(passage_prior)
@@ -162,7 +173,6 @@ class Index:
                                          timings_ms={name: round(ms, 1) for name, ms in timings.items()})
             else:
                 pending.append((number, passages, read, timings, [h.score for h in found]))
-        streaming = on_token is not None or cancelled is not None
         # batched: one continuous batch of at most batch_size questions (each start_beam rows), refilled as answers
         # finish; a start beam decodes its alternatives as rows of one batch even for one question
         batched = batch_supported(self.model, mode) and (
@@ -201,7 +211,7 @@ class Index:
         return answers
 
     def check_questions(self, questions, mode="hidden", min_confidence=None, min_retrieval_score=MIN_RETRIEVAL_SCORE,
-                        start_beam=START_BEAM, batch_size=BATCH_SIZE,
+                        start_beam: int | None = START_BEAM, batch_size=BATCH_SIZE,
                         max_new_tokens=32) -> float:
         """Bad input before any work (and before the retrieval floor could answer it "no answer"); returns the
         confidence threshold."""
@@ -214,7 +224,7 @@ class Index:
             raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
         if not -1.0 <= min_retrieval_score <= 1.0:
             raise ConfigError("--min-retrieval-score", min_retrieval_score, "must be a cosine in [-1, 1]")
-        if start_beam < 1:
+        if start_beam is not None and start_beam < 1:
             raise ConfigError("--start-beam", start_beam, "must be at least 1")
         if batch_size < 1:
             raise ConfigError("--batch-size", batch_size, "must be at least 1")

@@ -224,9 +224,19 @@ class _Running:
 
 
 def _start(setup, numbers: list[int]) -> _Running:
-    """Run the prompts of questions `numbers` (one pass) and choose each one's first token."""
-    rows, device, prefix = [setup.rows[n] for n in numbers], setup.device, setup.prefix
-    memory, sizes = _batch_memory(setup.model, setup.tokenizer, [setup.questions[n] for n in numbers],
+    """Run the prompts of rows `numbers` (one pass) and choose each one's first token.
+
+    A question's start-beam rows have the same prompt and memory, so its first step is the same for all of
+    them: the pass runs once per question, and its cache, memory and step are copied to the other rows."""
+    shared: dict[int, int] = {}  # question -> the place of its first row among the rows whose prompt runs
+    firsts, source = [], []  # those rows; each row's place among them
+    for n in numbers:
+        if setup.rows[n].index not in shared:
+            shared[setup.rows[n].index] = len(firsts)
+            firsts.append(n)
+        source.append(shared[setup.rows[n].index])
+    rows, device, prefix = [setup.rows[n] for n in firsts], setup.device, setup.prefix
+    memory, sizes = _batch_memory(setup.model, setup.tokenizer, [setup.questions[n] for n in firsts],
                                   [row.passages for row in rows], rows, device, setup.passage_prior)
     batch, unused = len(rows), None
     if prefix is not None and all(prefix.fits(row.prompt) for row in rows):
@@ -259,7 +269,8 @@ def _start(setup, numbers: list[int]) -> _Running:
                           query_positions=last)
         next_position = positions[:, -1:] + 1
     stop, max_new_tokens = setup.stop, setup.max_new_tokens
-    for i, row in enumerate(rows):
+    for row, i in zip([setup.rows[n] for n in numbers], source, strict=True):
+        row.prior = rows[i].prior
         step, view = _row_step(out, i, -1), _row_memory(memory, sizes, i)
         if view is None:  # no passages: the first token may be the end, as in `generate`
             _choose(row, step, None, stop, max_new_tokens, setup.end_bias)
@@ -280,7 +291,9 @@ def _start(setup, numbers: list[int]) -> _Running:
         _emit(row, token, copied_source(step, token, view), step)
         row.done = len(row.tokens) >= max_new_tokens
     context = out.context if unused is None else _drop_unused(out.context, unused)
-    return _Running(context, memory, sizes, next_position, list(numbers))
+    if len(rows) < len(numbers):  # every row its own copy of its question's state, to decode on from
+        context, memory, next_position = _select(context, memory, next_position, source)
+    return _Running(context, memory, [sizes[i] for i in source], next_position, list(numbers))
 
 
 def _step(setup, running: _Running, draft_tokens: int) -> None:

@@ -6,6 +6,9 @@
 - reuse/warm_over_cold_qps: batch questions per second with a warm key-shard cache over a cold one
 - batch/qps@B for B in 1, 4, 16, 64: questions per second with B questions decoded per backbone pass
   (`Index.ask_many`), and batch/qps@16_over_qps@1; batch/answers_identical says every B gave the B=1 answers
+- latency/beam4_*: ask with the default start beam (4 starts as rows of one batch, reranked) against greedy
+
+Asks are greedy (`start_beam=1`) unless a figure says beam: the figures compare with earlier runs that were.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def start_beam_latency(index, questions: list[str], k: int = 5, beam: int = 4) -
         hits = index.retrieve([question], k)[0]
         passages = index.cache.get([h.passage_id for h in hits], index.store.fetch)
         scores = [h.score for h in hits]
-        seconds, _ = _timed(lambda q=question: index.ask(q, **options), 1)
+        seconds, _ = _timed(lambda q=question: index.ask(q, start_beam=1, **options), 1)
         times["greedy"].append(seconds)
         seconds, rows = _timed(lambda q=question: index.ask(q, start_beam=beam, **options), 1)
         times["rows"].append(seconds)
@@ -137,7 +140,7 @@ def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -
             if clear:
                 index.cache.entries.clear()
                 index.cache.bytes = 0
-            index.ask(question, k=min(k, len(index)), max_new_tokens=new_tokens, min_confidence=0.0)
+            index.ask(question, k=min(k, len(index)), max_new_tokens=new_tokens, min_confidence=0.0, start_beam=1)
         return len(questions) / (time.perf_counter() - start)
 
     cold = run(clear=True)
@@ -151,7 +154,7 @@ def batch_throughput(index, questions: list[str], k: int = 5, sizes=(1, 4, 16, 6
     """Questions per second of `Index.ask_many` at each batch size, warm key-shard cache, answers to their natural
     end (a batch waits for its longest answer), and whether every size gave the same answers as size 1."""
     k = min(k, len(index))
-    options = dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0)
+    options = dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0, start_beam=1)
     index.ask_many(questions, batch_size=max(sizes), **options)  # warm: every shard cached, every op traced
     figures, answers = {"batch/questions": len(questions), "batch/k": k}, {}
     for size in sizes:

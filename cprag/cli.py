@@ -246,8 +246,8 @@ EVAL_BATCH_OPTION = typer.Option(1, "--batch-size", help="Hidden-mode questions 
                                  "batch).")
 START_BEAM_OPTION = typer.Option(None, "--start-beam", help="Decode from this many most probable first tokens and "
                                   "answer with the one the checkpoint's start reranker picks (the likeliest without "
-                                  "one); 4: +2.3 F1 on SQuAD dev, the starts decoded as rows of one batch at about "
-                                  "3.6x greedy's decode time (default: 1, greedy).")
+                                  "one). Default: the beam the reranker was fitted for (4 for the shipped checkpoint: "
+                                  "+2.3 F1 on SQuAD dev over greedy); 1 is greedy, the fastest.")
 
 PASSAGE_PRIOR_OPTION = typer.Option(None, "--passage-prior", help="Weight of each passage's retrieval score in the "
                                     "copy scores (hidden mode): passages less similar to the question are pushed "
@@ -289,12 +289,11 @@ def ask_command(
     Example: cprag ask "When was the lighthouse at Varna Point built?" --index indexes/demo
     Example: cprag ask --questions questions.txt --index indexes/demo --batch-size 16 --json
     """
-    from cprag.api import BATCH_SIZE, MIN_RETRIEVAL_SCORE, START_BEAM, Index
+    from cprag.api import BATCH_SIZE, MIN_RETRIEVAL_SCORE, Index
     from cprag.errors import ConfigError
 
-    start_beam = START_BEAM if start_beam is None else start_beam
     batch_size = BATCH_SIZE if batch_size is None else batch_size
-    if start_beam < 1:  # before seconds of loading
+    if start_beam is not None and start_beam < 1:  # before seconds of loading
         raise ConfigError("--start-beam", start_beam, "must be at least 1")
     if batch_size < 1:
         raise ConfigError("--batch-size", batch_size, "must be at least 1")
@@ -616,7 +615,6 @@ def eval_squad_command(
     Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 1000 --out eval/runs/sq
     Example: cprag eval squad DATA --index indexes/squad --limit 300 --out eval/runs/squad-retrieved
     """
-    from cprag.api import START_BEAM
     from cprag.checkpoint import held_out_articles
     from cprag.errors import ConfigError
     from cprag.evaluate import SquadEvalConfig, evaluate_squad, write_squad_report
@@ -627,7 +625,7 @@ def eval_squad_command(
 
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip() not in {"", "none"}),
                              limit=limit, seed=seed, k=k, min_confidence=min_confidence,
-                             start_beam=START_BEAM if start_beam is None else start_beam, batch_size=batch_size,
+                             start_beam=start_beam, batch_size=batch_size,
                              articles=tuple(held_out_articles(checkpoint)) if held_out else None, key_codec=keys,
                              pq_subvectors=pq_subvectors, end_bias=end_bias,
                              passage_prior=load_passage_prior(checkpoint) if passage_prior is None else passage_prior)
@@ -667,6 +665,7 @@ def eval_squad2_command(
     seed: int = typer.Option(0, "--seed"),
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers below this confidence "
                                          "(default: the checkpoint's)."),
+    start_beam: int = START_BEAM_OPTION,
     passage_prior: float = PASSAGE_PRIOR_OPTION,
     end_bias: float = END_BIAS_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
@@ -679,7 +678,7 @@ def eval_squad2_command(
 
     Example: cprag eval squad2 ../shared/data/squad-v2.0-dev-public.json --limit 1000 --out eval/squad2
     """
-    from cprag.api import load_passage_prior
+    from cprag.api import load_passage_prior, load_reranker
     from cprag.checkpoint import load_model
     from cprag.errors import ConfigError
     from cprag.evaluate import SquadEvalConfig
@@ -688,15 +687,16 @@ def eval_squad2_command(
     if not oracle:
         raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed,
-                             batch_size=batch_size, end_bias=end_bias,
+                             batch_size=batch_size, end_bias=end_bias, start_beam=start_beam,
                              passage_prior=load_passage_prior(checkpoint) if passage_prior is None else passage_prior)
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
+        reranker = load_reranker(checkpoint, model.config)
     threshold = model.config.min_confidence if min_confidence is None else min_confidence
     if not 0.0 <= threshold <= 1.0:
         raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
     summary, results = _answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad2(
-        data, config, model, tokenizer, threshold, progress, result))
+        data, config, model, tokenizer, threshold, progress, result, reranker))
     write_squad2_report(out_dir, summary, results, f"SQuAD 2.0 (oracle, {summary['eval/questions']} q)")
     if as_json:
         emit_json(summary)
@@ -880,6 +880,8 @@ def eval_needle_command(
     visible_trials: int = typer.Option(1, "--visible-trials", help="Trials for the (slow) visible baseline."),
     modes: str = typer.Option("hidden,visible", "--modes"),
     seed: int = typer.Option(0, "--seed"),
+    passage_prior: float = PASSAGE_PRIOR_OPTION,
+    start_beam: int = START_BEAM_OPTION,
     out_dir: Path = typer.Option(..., "--out", "-o"),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -888,9 +890,12 @@ def eval_needle_command(
 
     Example: cprag eval needle --lengths 1000,100000 --depths 0,0.5,1 --out eval/runs/needle
     """
+    from cprag.api import load_passage_prior, load_reranker
     from cprag.checkpoint import load_model
     from cprag.errors import ConfigError
     from cprag.needle import run_needle, write_needle_report
+    from cprag.passage_prior import check_weight
+    from cprag.rerank import default_start_beam
 
     try:
         length_list = [int(v) for v in lengths.split(",")]
@@ -899,15 +904,26 @@ def eval_needle_command(
         raise ConfigError("--lengths/--depths", f"{lengths} / {depths}", "expected comma-separated numbers") from None
     if any(d < 0 or d > 1 for d in depth_list) or any(n < 64 for n in length_list):
         raise ConfigError("--lengths/--depths", f"{lengths} / {depths}", "depths in [0, 1], lengths >= 64")
+    weight = load_passage_prior(checkpoint) if passage_prior is None else check_weight(passage_prior)
+    if start_beam is not None and start_beam < 1:
+        raise ConfigError("--start-beam", start_beam, "must be at least 1")
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    embedder = None
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+        reranker = load_reranker(checkpoint, model.config)
+        if weight > 0 and "hidden" in mode_list:
+            from cprag.retrieve import MiniLMEmbedder
+
+            embedder = MiniLMEmbedder()
     with _progress_bar(as_json) as progress:
         total = len(length_list) * len(depth_list) * (trials * ("hidden" in mode_list)
                                                       + min(trials, visible_trials) * ("visible" in mode_list))
         task = progress.add_task("needles", total=total)
         summary, results = run_needle(model, tokenizer, length_list, depth_list, trials, mode_list, seed,
-                                      visible_trials, on_result=lambda r: progress.advance(task))
+                                      visible_trials, passage_prior=weight, embedder=embedder, reranker=reranker,
+                                      start_beam=default_start_beam(reranker) if start_beam is None else start_beam,
+                                      on_result=lambda r: progress.advance(task))
     write_needle_report(out_dir, summary, results, model.config.max_position_embeddings)
     if as_json:
         emit_json(summary)

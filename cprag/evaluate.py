@@ -7,7 +7,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from cprag.key_codec import codec_name, pq_subvectors
 from cprag.metrics import squad2_question_scores
 from cprag.passage_prior import check_weight
 from cprag.qa_eval import QAResult, evaluate_oracle, summarize
+from cprag.rerank import default_start_beam
 from cprag.squad import read_squad
 
 
@@ -32,7 +33,7 @@ class SquadEvalConfig:
     max_new_tokens: int = 32
     articles: tuple[str, ...] | None = None  # only questions of these articles (a checkpoint's held-out ones)
     min_confidence: float = 0.0  # withhold answers below this confidence (0: always answer)
-    start_beam: int = 1  # first tokens decoded per question (1: greedy)
+    start_beam: int | None = None  # first tokens decoded per question (1: greedy; None: the reranker's beam)
     batch_size: int = 1  # hidden-mode questions decoded per backbone pass (latency is then a batch's share)
     key_codec: str = "float16"  # with --oracle: the keys as an index storing them this way gives them back
     pq_subvectors: int | None = None  # with key_codec "pq": codes per key (None: cprag.key_codec.pq_subvectors)
@@ -50,7 +51,7 @@ class SquadEvalConfig:
             raise ConfigError("-k", self.k, "must be at least 1")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ConfigError("--min-confidence", self.min_confidence, "must be a probability in [0, 1]")
-        if self.start_beam < 1:
+        if self.start_beam is not None and self.start_beam < 1:
             raise ConfigError("--start-beam", self.start_beam, "must be at least 1")
         if self.batch_size < 1:
             raise ConfigError("--batch-size", self.batch_size, "must be at least 1")
@@ -95,6 +96,9 @@ def evaluate_squad(
             on_progress(done[0], total)
 
     extra: dict[str, float] = {}
+    reranker = index.reranker if index is not None else reranker
+    if config.start_beam is None:  # the checkpoint's default: its reranker's beam
+        config = replace(config, start_beam=default_start_beam(reranker))
     if index is None and not config.modes:
         raise ConfigError("--modes", "none", "without --index there is nothing to evaluate")
     if index is None:
@@ -116,6 +120,7 @@ def evaluate_squad(
         summary[f"latency/{mode}/p90_ms"] = round(float(np.percentile(latencies, 90)), 1)
     summary.update(extra)
     summary["eval/passage_prior"] = config.passage_prior
+    summary["eval/start_beam"] = config.start_beam
     summary["eval/end_bias"] = model.config.end_bias if config.end_bias is None else config.end_bias
     summary["eval/questions"] = len(examples)
     summary["eval/source"] = "index" if index is not None else "oracle"

@@ -3,6 +3,15 @@
 Hidden mode keeps the whole haystack as CP keys, encoded passage by passage as `cprag index` would (identical
 filler passages are encoded once and shared); visible mode puts the haystack in the prompt, truncated to the
 backbone's window as a RAG pipeline would, so beyond the window it can only fail.
+
+With `passage_prior` > 0, hidden mode decodes as `cprag ask` does by default: the retriever's cosine of the
+question to each haystack passage is weighed into the copy scores of that passage's entries (`cprag.passage_prior`).
+At a million tokens the filler's thousands of weakly matching entries otherwise add up, token by token, to more
+copy mass than the needle's few.
+
+`start_beam` > 1 decodes from that many first tokens and answers with the one `reranker` picks, as `cprag ask`
+does by default (the shipped reranker's beam): greedy alone copies "The magic" for some numbers when the needle
+sentence opens its passage, an answer that repeats the question and that the reranker passes over.
 """
 
 from __future__ import annotations
@@ -15,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cprag.batch_generate import generate_batch
 from cprag.cache import DevicePassage
 from cprag.encode import PassageKeys, TokenizedPassage, encode_passages
-from cprag.generate import generate
 from cprag.prompt import prompt_ids
 from cprag.store import StoredPassage
 
@@ -108,9 +117,10 @@ def _sentence_starts(tokenizer, block: list[int]) -> list[int]:
 class HaystackKeys:
     """Encodes each distinct passage once (filler passages repeat) and assembles a haystack's memory."""
 
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, embedder=None):
+        self.model, self.tokenizer, self.embedder = model, tokenizer, embedder
         self.cache: dict[tuple[int, ...], DevicePassage] = {}
+        self.similarity: dict[tuple[int, ...], float] = {}  # cosine of QUESTION to each distinct passage
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
 
@@ -121,6 +131,16 @@ class HaystackKeys:
             for index, keys in encode_passages(self.model, tokenized, bos_id=self.tokenizer.bos_token_id):
                 self.cache[missing[index]] = self._device(missing[index], keys)
         return [self.cache[tuple(b)] for b in haystack.blocks]
+
+    def scores(self, haystack: Haystack) -> list[float]:
+        """The retriever's cosine of QUESTION to each passage (each distinct one embedded once), as an index of
+        the haystack would score them; needs the embedder."""
+        missing = list(dict.fromkeys(tuple(b) for b in haystack.blocks if tuple(b) not in self.similarity))
+        if missing:
+            vectors = self.embedder.embed([QUESTION] + [self.tokenizer.decode(list(b)) for b in missing])
+            for block, vector in zip(missing, vectors[1:], strict=True):
+                self.similarity[block] = float(vector @ vectors[0])
+        return [self.similarity[tuple(b)] for b in haystack.blocks]
 
     def _device(self, block: tuple[int, ...], keys: PassageKeys) -> DevicePassage:
         stored = StoredPassage(passage_id=str(hash(block)), doc_id="haystack", title="haystack",
@@ -139,10 +159,15 @@ def visible_passage(tokenizer, haystack: Haystack, window: int, reserve: int, en
 
 
 def run_needle(model, tokenizer, lengths: list[int], depths: list[float], trials: int, modes: list[str],
-               seed: int = 0, visible_trials: int = 1,
+               seed: int = 0, visible_trials: int = 1, passage_prior: float = 0.0, embedder=None,
+               start_beam: int = 1, reranker=None,
                on_result: Callable[[dict], None] | None = None) -> tuple[dict, list[dict]]:
+    """Accuracy per (length, depth) and one record per answer. `passage_prior` > 0 (hidden mode) needs `embedder`
+    (the index's retriever, `cprag.retrieve.MiniLMEmbedder`)."""
+    if passage_prior > 0 and embedder is None:
+        raise ValueError("a passage prior needs the retriever's embedder")
     rng = random.Random(seed)
-    keys = HaystackKeys(model, tokenizer)
+    keys = HaystackKeys(model, tokenizer, embedder)
     window = model.config.max_position_embeddings
     results = []
     for length in lengths:
@@ -154,15 +179,21 @@ def run_needle(model, tokenizer, lengths: list[int], depths: list[float], trials
                     if mode == "visible" and trial >= visible_trials:
                         continue
                     tick = time.perf_counter()
+                    scores = None
                     if mode == "hidden":
                         passages = keys.passages(haystack)
+                        scores = keys.scores(haystack) if passage_prior > 0 else None
                     else:
                         passages = visible_passage(tokenizer, haystack, window, reserve=16, end_id=model.config.end_id)
-                    answer = generate(model, tokenizer, QUESTION, passages, mode, max_new_tokens=12).answer
+                    answer = generate_batch(model, tokenizer, [QUESTION], [passages], 12, mode=mode,
+                                            passage_scores=[scores], passage_prior=passage_prior,
+                                            start_beam=start_beam, reranker=reranker)[0].answer
                     result = {"mode": mode, "length": length, "depth": depth, "trial": trial, "number": number,
                               "answer": answer, "correct": number in answer.replace(",", "").split()
                               or answer.strip(" .") == number, "tokens": haystack.length,
-                              "actual_depth": round(haystack.depth, 4), "seconds": time.perf_counter() - tick}
+                              "actual_depth": round(haystack.depth, 4),
+                              "passage_prior": passage_prior if mode == "hidden" else 0.0, "start_beam": start_beam,
+                              "seconds": time.perf_counter() - tick}
                     results.append(result)
                     if on_result:
                         on_result(result)
@@ -180,6 +211,9 @@ def summarize_needle(results: list[dict]) -> dict:
             summary[f"needle/{mode}/acc@{length}/{depth}"] = round(float(np.mean(values)), 3)
         summary[f"needle/{mode}/acc_min"] = round(min(float(np.mean(v)) for v in cells.values()), 3)
         summary[f"needle/{mode}/acc_mean"] = round(float(np.mean([r["correct"] for r in chosen])), 3)
+        summary[f"needle/{mode}/start_beam"] = chosen[0].get("start_beam", 1)
+        if mode == "hidden":
+            summary["needle/hidden/passage_prior"] = chosen[0].get("passage_prior", 0.0)
     return summary
 
 
@@ -205,6 +239,9 @@ def write_needle_report(out_dir, summary: dict, results: list[dict], window: int
     fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 3.8), dpi=120, squeeze=False)
     beyond = [j for j, n in enumerate(lengths) if n > window]
     lines = [f"# Needle test (backbone window {window} tokens)", ""]
+    if "needle/hidden/passage_prior" in summary:
+        lines += [f"Hidden mode with passage prior {summary['needle/hidden/passage_prior']:g} (0: off); start beam "
+                  f"{summary.get('needle/hidden/start_beam', 1)} (1: greedy).", ""]
     for ax, mode in zip(axes[0], modes, strict=True):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for i, depth in enumerate(depths):

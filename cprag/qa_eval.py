@@ -40,12 +40,13 @@ class QAResult:
 
 
 def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int, rng: random.Random) -> list[str]:
-    """The gold passage and `distractors` others (same article first), in a seeded random order."""
+    """The gold passage and `distractors` others (same article first), in a seeded random order; all the others
+    when the data holds fewer (the draws are the same as before whenever it holds enough)."""
     article = article_of(example.passage_id)
     same = [p for p in all_ids if article_of(p) == article and p != example.passage_id]
     others = [p for p in all_ids if article_of(p) != article]
     chosen = rng.sample(same, min(distractors, len(same)))
-    chosen += rng.sample(others, distractors - len(chosen))
+    chosen += rng.sample(others, min(distractors - len(chosen), len(others)))
     chosen.insert(rng.randrange(len(chosen) + 1), example.passage_id)
     return chosen
 

@@ -155,6 +155,12 @@ class StartReranker:
         return len(self.weights) == feature_count(prior_feature_count(model_config))
 
 
+def default_start_beam(reranker: StartReranker | None) -> int:
+    """First tokens decoded per question by default: the beam the checkpoint's reranker was fitted for (its
+    choice among them is what lifts the answers; `eval/rerank/`), greedy (1) without one."""
+    return 1 if reranker is None else reranker.beam
+
+
 def prior_feature_count(model_config) -> int:
     """Length of a memory entry's lexical feature vector under a CPLM config (0 without the lexical prior)."""
     from cprag.lexical import feature_count as lexical_feature_count

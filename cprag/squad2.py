@@ -16,6 +16,7 @@ import numpy as np
 from cprag.evaluate import SquadEvalConfig, bar_plot, sample_examples
 from cprag.metrics import best_threshold, squad2_question_scores
 from cprag.qa_eval import QAResult, evaluate_oracle
+from cprag.rerank import default_start_beam
 from cprag.squad import read_squad
 
 
@@ -63,9 +64,11 @@ def summarize_squad2(results: list[QAResult], answerable: dict[str, bool], thres
 
 def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, tokenizer, threshold: float,
                     on_progress: Callable[[int, int], None] | None = None,
-                    on_result: Callable[[QAResult], None] | None = None) -> tuple[dict, list[QAResult]]:
+                    on_result: Callable[[QAResult], None] | None = None, reranker=None
+                    ) -> tuple[dict, list[QAResult]]:
     """Answer every sampled question (always, recording confidences), then score with abstention below
-    `threshold`. Returns (summary, results)."""
+    `threshold`. Returns (summary, results). Abstention follows the greedy first token's confidence whatever
+    the start beam (`config.start_beam`, None: `reranker`'s), which only changes the answers given."""
     data = read_squad(data_path, unanswerable=True)
     examples = sample_examples(data, config.limit, config.seed, config.articles)
     total, done = len(examples) * len(config.modes), [0]
@@ -77,12 +80,15 @@ def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, token
         if on_progress:
             on_progress(done[0], total)
 
+    start_beam = default_start_beam(reranker) if config.start_beam is None else config.start_beam
     results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                               config.seed, config.max_new_tokens, on_result=tick, batch_size=config.batch_size,
-                              passage_prior=config.passage_prior, end_bias=config.end_bias)
+                              passage_prior=config.passage_prior, end_bias=config.end_bias,
+                              start_beam=start_beam, reranker=reranker)
     answerable = {e.qid: e.answerable for e in examples}
     summary = summarize_squad2(results, answerable, threshold)
     summary["eval/passage_prior"] = config.passage_prior
+    summary["eval/start_beam"] = start_beam
     summary["eval/end_bias"] = model.config.end_bias if config.end_bias is None else config.end_bias
     summary["eval/questions"] = len(examples)
     summary["eval/unanswerable"] = sum(not a for a in answerable.values())

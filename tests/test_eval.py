@@ -227,3 +227,22 @@ def test_eval_scale_with_pq_keys_reads_codes_back_through_the_stored_codebook(tm
     assert opened.manifest["key_pq"]["subvectors"] == 16
     keys = opened.store.fetch(["s000000003"])["s000000003"].keys.keys
     assert keys.shape == (8, 64) and np.isfinite(keys).all() and np.abs(keys).sum() > 0
+
+
+def test_the_needle_scores_each_passage_as_the_retriever_would_and_weighs_them_in(checkpoint):
+    from cprag.needle import HaystackKeys, run_needle
+    from cprag.retrieve import MiniLMEmbedder
+
+    model, tokenizer = load_model(checkpoint)
+    haystack = build_haystack(tokenizer, 3000, 0.5, "4829173", block_tokens=256)
+    keys = HaystackKeys(model, tokenizer, MiniLMEmbedder())
+    scores = keys.scores(haystack)
+    assert len(scores) == len(haystack.blocks) and int(np.argmax(scores)) == haystack.needle_block
+    full = {round(s, 6) for b, s in zip(haystack.blocks, scores, strict=True) if len(b) == 256}
+    assert len(full - {round(scores[haystack.needle_block], 6)}) == 1  # identical filler, identical score
+    with pytest.raises(ValueError, match="embedder"):
+        run_needle(model, tokenizer, [600], [0.0], 1, ["hidden"], passage_prior=15.0)
+    summary, results = run_needle(model, tokenizer, [600], [0.0, 1.0], 1, ["hidden"], passage_prior=15.0,
+                                  embedder=keys.embedder, start_beam=2)
+    assert summary["needle/hidden/passage_prior"] == 15.0 and summary["needle/hidden/start_beam"] == 2
+    assert [(r["passage_prior"], r["start_beam"]) for r in results] == [(15.0, 2)] * 2

@@ -78,3 +78,56 @@ def test_the_cli_takes_start_beam_and_refuses_zero(index, checkpoint):  # noqa: 
     assert beam.exit_code == 0, beam.output
     expected = index.ask(QUESTIONS[0], k=2, min_retrieval_score=-1, start_beam=3)
     assert json.loads(beam.stdout)["answer"] == expected.answer
+
+
+@pytest.fixture(scope="module")
+def reranked(tmp_path_factory, checkpoint, index):  # noqa: F811
+    """The test checkpoint with a start reranker of beam 3 that always picks the third start."""
+    import shutil
+
+    from cprag.rerank import StartReranker, feature_count, prior_feature_count
+
+    directory = tmp_path_factory.mktemp("reranked") / "checkpoint"
+    shutil.copytree(checkpoint, directory)
+    size = feature_count(prior_feature_count(index.model.config))
+    weights = [0.0] * size
+    weights[7 + 2] = 1.0  # the rank indicators follow the 7 log-probability features
+    StartReranker(weights, [0.0] * size, [1.0] * size, beam=3, fitted_on={"test": True}).save(directory)
+    return Index(index.path, checkpoint=directory), directory
+
+
+def test_the_default_start_beam_is_the_reranker_s_and_streams_stay_greedy(reranked, index):
+    opened, _ = reranked
+    assert opened.start_beam == 3 and index.start_beam == 1  # no reranker: greedy
+    options = dict(k=3, min_confidence=0.0, min_retrieval_score=-1.0)
+    default = [opened.ask(q, **options).answer for q in QUESTIONS]
+    assert default == [opened.ask(q, start_beam=3, **options).answer for q in QUESTIONS]
+    greedy = [opened.ask(q, start_beam=1, **options).answer for q in QUESTIONS]
+    assert default != greedy  # the third start was chosen, not the greedy one
+    assert default == [a.answer for a in opened.ask_many(QUESTIONS, batch_size=2, **options)]
+    heard = []
+    streamed = opened.ask_many(QUESTIONS, on_token=lambda i, token, source: heard.append(i), **options)
+    assert [a.answer for a in streamed] == greedy and heard  # a stream hears greedy's tokens only
+
+
+def test_eval_squad_records_the_start_beam_it_decoded_with(reranked, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cprag.cli import app
+
+    _, directory = reranked
+    context = "The lighthouse at Varna Point was built in 18{}2 by the harbour board, and it still stands."
+    data = {"version": "1.1", "data": [{"title": "Lighthouse", "paragraphs": [
+        {"context": context.format(n), "qas": [{"id": f"q{n}", "question": "When was the lighthouse built?",
+                                                "answers": [{"text": f"18{n}2", "answer_start": 43}]}]}
+        for n in range(3)]}]}
+    path = tmp_path / "squad.json"
+    path.write_text(json.dumps(data))
+    for flags, beam in (([], 3), (["--start-beam", "1"], 1)):
+        result = CliRunner().invoke(app, ["eval", "squad", str(path), "--oracle", "--modes", "hidden", "--out",
+                                          str(tmp_path / f"out{beam}"), "--checkpoint", str(directory), "--json",
+                                          *flags])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["eval/start_beam"] == beam

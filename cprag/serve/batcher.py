@@ -87,7 +87,7 @@ class Batcher:
         try:
             answers = self.index.ask_many(
                 [job.question for job in batch], k=k, mode=mode, max_new_tokens=max_new_tokens,
-                min_confidence=min_confidence, batch_size=len(batch),
+                min_confidence=min_confidence, batch_size=len(batch), start_beam=1,  # streams: greedy
                 on_token=(lambda i, token, source: batch[i].on_token and batch[i].on_token(token, source))
                 if streaming else None,
                 cancelled=lambda i: batch[i].cancelled.is_set())

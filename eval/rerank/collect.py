@@ -66,16 +66,19 @@ def main(argv: list[str] | None = None) -> int:
                                      [memory.get(drawn[i]) for i in group], 32, prefix=prefix,
                                      passage_scores=scores[first : first + len(group)], passage_prior=weight,
                                      start_beam=args.beam)
-        for i, generation in zip(group, generations, strict=True):
-            record(args.out, examples[i], drawn[i], memory.get(drawn[i]), generation, model, tokenizer)
+        for j, (i, generation) in enumerate(zip(group, generations, strict=True)):
+            record(args.out, examples[i], drawn[i], memory.get(drawn[i]), generation, model, tokenizer,
+                   scores[first + j])
             done.add(examples[i].qid)
         print(f"{time.strftime('%H:%M:%S')} {len(done)}/{len(examples)} ({(time.time() - started) / 60:.1f} min)",
               file=sys.stderr, flush=True)
     return 0
 
 
-def record(out: Path, example, chosen: list[str], shards, generation, model, tokenizer) -> None:
-    """One question's alternatives, as the reranker's fit reads them, appended to `out`."""
+def record(out: Path, example, chosen: list[str], shards, generation, model, tokenizer,
+           passage_scores: list[float] | None = None) -> None:
+    """One question's alternatives, as the reranker's fit reads them, appended to `out` (with every copied entry,
+    the mean lexical features over the span, and the retriever's scores, for features yet to be tried)."""
     entries_memory, owner, _ = shared_memory(shards)
     prior = lexical_prior(model, tokenizer, example.question, entries_memory.ids[0])[0]  # (M, F)
     gold = chosen.index(example.passage_id)
@@ -83,7 +86,10 @@ def record(out: Path, example, chosen: list[str], shards, generation, model, tok
     for alternative in generation.alternatives:
         first, last = (alternative.entries[0], alternative.entries[-1]) if alternative.entries else (None, None)
         em, f1 = squad2_question_scores(alternative.answer, example.answers)
+        copied = [e for e in alternative.entries if e is not None]
         alternatives.append({
+            "entries": alternative.entries,
+            "span_prior_mean": [round(float(v), 4) for v in prior[copied].mean(0)] if copied else None,
             "answer": alternative.answer, "log_prob": alternative.log_prob,
             "token_log_probs": alternative.token_log_probs,
             "first_entry": first, "last_entry": last,
@@ -91,7 +97,7 @@ def record(out: Path, example, chosen: list[str], shards, generation, model, tok
             "last_prior": None if last is None else [round(float(v), 4) for v in prior[last]],
             "passage": None if first is None else int(owner[first]), "em": 100 * em, "f1": 100 * f1,
         })
-    row = {"qid": example.qid, "question": example.question, "gold_passage": gold,
+    row = {"qid": example.qid, "question": example.question, "gold_passage": gold, "passage_scores": passage_scores,
            "confidence": generation.confidence, "stop_probability": generation.stop_probability,
            "alternatives": alternatives}
     with open(out, "a") as handle:
