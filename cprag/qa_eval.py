@@ -51,6 +51,9 @@ def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int,
     return chosen
 
 
+PREFETCH_QUESTIONS = 64  # evaluation encodes the passages of this many questions ahead at once (full batches)
+
+
 class OracleMemory:
     """Encodes passages on first use (as `cprag index` would) and keeps them on the model's device."""
 
@@ -113,9 +116,12 @@ def evaluate_oracle(
     scores = (retrieval_scores([e.question for e in examples], chosen, passages, memory.device)
               if passage_prior > 0 else [None] * len(examples))
     batched = (batch_size > 1 or start_beam > 1) and choose == "token" and batch_supported(model, "hidden")
-    results = []
+    results, ahead = [], 0
     for first in range(0, len(examples), batch_size if batched else 1):
         group = list(range(first, min(first + (batch_size if batched else 1), len(examples))))
+        if first >= ahead:  # the next questions' passages in full encoding batches, not a few at a time
+            ahead = first + PREFETCH_QUESTIONS
+            memory.get(sorted({pid for ids in chosen[first:ahead] for pid in ids}))
         shards = {i: memory.get(chosen[i]) for i in group}
         by_mode: dict[str, list[tuple[object, float]]] = {}
         for mode in modes:
