@@ -17,7 +17,7 @@ from cprag.generate import MODES, Citation, generate
 from cprag.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
 from cprag.prompt import prompt_ids
 from cprag.prompt_prefix import PromptPrefix, prompt_prefix
-from cprag.rerank import RERANKER_FILE, StartReranker, default_start_beam
+from cprag.rerank import RERANKER_FILE, StartReranker, check_start_beam, default_start_beam
 from cprag.retrieve import MiniLMEmbedder
 from cprag.runtime import default_device, resolve_dtype
 from cprag.snapshot import open_snapshot
@@ -224,8 +224,7 @@ class Index:
             raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
         if not -1.0 <= min_retrieval_score <= 1.0:
             raise ConfigError("--min-retrieval-score", min_retrieval_score, "must be a cosine in [-1, 1]")
-        if start_beam is not None and start_beam < 1:
-            raise ConfigError("--start-beam", start_beam, "must be at least 1")
+        check_start_beam(start_beam)
         if batch_size < 1:
             raise ConfigError("--batch-size", batch_size, "must be at least 1")
         for question in questions:

@@ -291,10 +291,10 @@ def ask_command(
     """
     from cprag.api import BATCH_SIZE, MIN_RETRIEVAL_SCORE, Index
     from cprag.errors import ConfigError
+    from cprag.rerank import check_start_beam
 
     batch_size = BATCH_SIZE if batch_size is None else batch_size
-    if start_beam is not None and start_beam < 1:  # before seconds of loading
-        raise ConfigError("--start-beam", start_beam, "must be at least 1")
+    check_start_beam(start_beam)  # before seconds of loading
     if batch_size < 1:
         raise ConfigError("--batch-size", batch_size, "must be at least 1")
     if passage_prior is not None:
@@ -895,7 +895,7 @@ def eval_needle_command(
     from cprag.errors import ConfigError
     from cprag.needle import run_needle, write_needle_report
     from cprag.passage_prior import check_weight
-    from cprag.rerank import default_start_beam
+    from cprag.rerank import check_start_beam, default_start_beam
 
     try:
         length_list = [int(v) for v in lengths.split(",")]
@@ -905,8 +905,7 @@ def eval_needle_command(
     if any(d < 0 or d > 1 for d in depth_list) or any(n < 64 for n in length_list):
         raise ConfigError("--lengths/--depths", f"{lengths} / {depths}", "depths in [0, 1], lengths >= 64")
     weight = load_passage_prior(checkpoint) if passage_prior is None else check_weight(passage_prior)
-    if start_beam is not None and start_beam < 1:
-        raise ConfigError("--start-beam", start_beam, "must be at least 1")
+    check_start_beam(start_beam)
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     embedder = None
     with err.status("loading the model"):

@@ -19,7 +19,7 @@ from cprag.key_codec import codec_name, pq_subvectors
 from cprag.metrics import squad2_question_scores
 from cprag.passage_prior import check_weight
 from cprag.qa_eval import QAResult, evaluate_oracle, summarize
-from cprag.rerank import default_start_beam
+from cprag.rerank import check_start_beam, default_start_beam
 from cprag.squad import read_squad
 
 
@@ -51,8 +51,7 @@ class SquadEvalConfig:
             raise ConfigError("-k", self.k, "must be at least 1")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ConfigError("--min-confidence", self.min_confidence, "must be a probability in [0, 1]")
-        if self.start_beam is not None and self.start_beam < 1:
-            raise ConfigError("--start-beam", self.start_beam, "must be at least 1")
+        check_start_beam(self.start_beam)
         if self.batch_size < 1:
             raise ConfigError("--batch-size", self.batch_size, "must be at least 1")
         self.passage_prior = check_weight(self.passage_prior)

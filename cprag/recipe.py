@@ -13,7 +13,7 @@ import torch
 
 from cprag.adapters import merge
 from cprag.backbone import BaseReference, default_reference
-from cprag.checkpoint import load_trained_tensors, model_fingerprint, new_cplm
+from cprag.checkpoint import DEFAULT_CHECKPOINT, load_trained_tensors, model_fingerprint, new_cplm
 from cprag.evaluate import sample_examples
 from cprag.features import Examples, activation_cache, prepare_examples
 from cprag.qa_eval import evaluate_oracle, oracle_passage_ids, summarize
@@ -92,6 +92,19 @@ def unseen_articles(data_path: str | Path, tokenizer, seen: int, seed: int = 0) 
     order = _article_grouped_order(questions, random.Random(seed))  # the run's first draw from its seeded rng
     trained = {questions[i].article for i in order[:seen]}
     return {q.article for q in questions} - trained
+
+
+def add_fit_question_arguments(parser, questions: int) -> None:
+    """The flags an inference-time fit script passes to `fit_questions`: DATA, --checkpoint, --unseen, --seen,
+    --articles, --questions (default `questions`) and --seed."""
+    parser.add_argument("data", type=Path)
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--unseen", action="store_true", help="only articles the checkpoint never trained on")
+    parser.add_argument("--seen", type=int, default=32_000, help="questions the checkpoint's run trained on")
+    parser.add_argument("--articles", type=int, help="with --unseen: a seeded sample of this many of them (their "
+                        "passages are encoded once and shared by their questions)")
+    parser.add_argument("--questions", type=int, default=questions)
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def fit_questions(data_path: str | Path, data: SquadData, tokenizer, questions: int, seed: int = 0,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from cprag.errors import ConfigError
 from cprag.lexical import QUESTION_TYPES, STOPWORDS, question_type
 
 RERANKER_FILE = "reranker.json"
@@ -153,6 +154,13 @@ class StartReranker:
     def fits(self, model_config) -> bool:
         """Whether it reads the lexical features `model_config`'s CP head computes (the same checkpoint's)."""
         return len(self.weights) == feature_count(prior_feature_count(model_config))
+
+
+def check_start_beam(beam: int | None) -> int | None:
+    """The beam as given (None: the checkpoint's default), or ConfigError naming --start-beam below 1."""
+    if beam is not None and beam < 1:
+        raise ConfigError("--start-beam", beam, "must be at least 1")
+    return beam
 
 
 def default_start_beam(reranker: StartReranker | None) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from cprag.api import load_passage_prior
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
+from cprag.checkpoint import load_model
 from cprag.config import CPLMConfig
 from cprag.decode_step import Step, shared_memory
 from cprag.encode import tokenize_passage
@@ -39,7 +39,7 @@ from cprag.passage_prior import passage_bias
 from cprag.prompt import end_of_turn_id, prompt_ids
 from cprag.prompt_prefix import prompt_prefix
 from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import fit_questions
+from cprag.recipe import add_fit_question_arguments, fit_questions
 from cprag.squad import answer_token_span, read_squad
 
 BIASES = (2, 1, 0.5, 0, -0.5, -1, -1.5, -2, -2.5, -3, -4, -5, -6)
@@ -136,13 +136,7 @@ def collect(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data", type=Path)
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--unseen", action="store_true", help="only articles the checkpoint never trained on")
-    parser.add_argument("--seen", type=int, default=32000, help="questions the checkpoint's run trained on")
-    parser.add_argument("--articles", type=int, help="with --unseen: a seeded sample of this many of them")
-    parser.add_argument("--questions", type=int, default=3000)
-    parser.add_argument("--seed", type=int, default=0)
+    add_fit_question_arguments(parser, questions=3000)
     parser.add_argument("--records", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--save", action="store_true")

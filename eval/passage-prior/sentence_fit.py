@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
+from cprag.checkpoint import load_model
 from cprag.lexical import sentence_ids
 from cprag.prompt_prefix import prompt_prefix
 from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import fit_questions
+from cprag.recipe import add_fit_question_arguments, fit_questions
 from cprag.retrieve import MiniLMEmbedder
 from cprag.squad import read_squad
 
@@ -103,13 +103,7 @@ def where(record: dict, entry: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data", type=Path)
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--unseen", action="store_true", help="only articles the checkpoint never trained on")
-    parser.add_argument("--seen", type=int, default=32000, help="questions the checkpoint's run trained on")
-    parser.add_argument("--articles", type=int, help="with --unseen: a seeded sample of this many of them")
-    parser.add_argument("--questions", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
+    add_fit_question_arguments(parser, questions=2000)
     parser.add_argument("--records", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

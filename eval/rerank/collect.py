@@ -24,27 +24,20 @@ from pathlib import Path
 
 from cprag.api import load_passage_prior
 from cprag.batch_generate import generate_batch
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
+from cprag.checkpoint import load_model
 from cprag.generate import lexical_prior, shared_memory
 from cprag.metrics import squad2_question_scores
 from cprag.prompt_prefix import prompt_prefix
 from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import fit_questions
+from cprag.recipe import add_fit_question_arguments, fit_questions
 from cprag.squad import read_squad
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data", type=Path)
+    add_fit_question_arguments(parser, questions=1000)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--questions", type=int, default=1000)
     parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--unseen", action="store_true")
-    parser.add_argument("--seen", type=int, default=32_000, help="questions the checkpoint's run trained on")
-    parser.add_argument("--articles", type=int, help="with --unseen: a seeded sample of this many of those articles "
-                        "(their passages are encoded once and shared by their questions: 3 times faster)")
     parser.add_argument("--passage-prior", type=float, help="default: the checkpoint's weight")
     parser.add_argument("--batch-size", type=int, default=8, help="questions decoded together")
     args = parser.parse_args(argv)
