@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cprag.batch_generate import batch_supported, generate_batch
-from cprag.cache import KeyCache
+from cprag.cache import KEY_CACHE_DTYPE, KeyCache
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
 from cprag.config import check_end_bias
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
@@ -19,7 +19,7 @@ from cprag.prompt import prompt_ids
 from cprag.prompt_prefix import PromptPrefix, prompt_prefix
 from cprag.rerank import RERANKER_FILE, StartReranker, check_start_beam, default_start_beam
 from cprag.retrieve import MiniLMEmbedder
-from cprag.runtime import default_device, resolve_dtype
+from cprag.runtime import default_device, place, resolve_dtype
 from cprag.snapshot import open_snapshot
 from cprag.store import check_model, directory_bytes, read_manifest
 
@@ -76,14 +76,14 @@ class Index:
             model, tokenizer = load_model(checkpoint)
             # the fingerprint of the stored (fp32) weights: an index built on a CPU opens on a GPU in bf16
             fingerprint = model_fingerprint(model)
-            model = model.to(self.device, resolve_dtype(self.device, dtype))
+            model = place(model, self.device, resolve_dtype(self.device, dtype))
         elif fingerprint is None:  # a model handed in: its weights as they are, unless its fingerprint comes along
             fingerprint = model_fingerprint(model)
         check_model(self.path, self.manifest, fingerprint)
         self.fingerprint = fingerprint
         self.model, self.tokenizer = model, tokenizer
         self.embedder = MiniLMEmbedder(self.device)
-        self.cache = KeyCache(self.device, next(model.parameters()).dtype, max_bytes=cache_bytes)
+        self.cache = KeyCache(self.device, KEY_CACHE_DTYPE, max_bytes=cache_bytes)
         # the checkpoint's StartReranker (cprag.rerank), which chooses among start-beam answers; None: the likeliest
         # (a model handed in without its checkpoint directory has none)
         self.reranker = None if model_given and checkpoint is None else load_reranker(checkpoint, model.config)

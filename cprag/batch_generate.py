@@ -368,7 +368,7 @@ def _batch_memory(model, tokenizer, questions, passages, rows: list[_Row], devic
         return None, sizes
     size, batch = max(sizes), len(rows)
     first = next(p for shards in passages for p in shards)
-    keys = torch.zeros((batch, size, first.keys.shape[-1]), dtype=first.keys.dtype, device=device)
+    keys = torch.zeros((batch, size, first.keys.shape[-1]), dtype=model.head_dtype, device=device)
     ids = torch.zeros((batch, size), dtype=torch.long, device=device)
     mask = torch.zeros((batch, size), dtype=torch.bool, device=device)
     end_allowed = torch.zeros((batch, size), dtype=torch.bool, device=device)

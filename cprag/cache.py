@@ -15,7 +15,7 @@ from cprag.store import StoredPassage
 @dataclass
 class DevicePassage:
     passage: StoredPassage  # text, ids and offsets for citations (host memory)
-    keys: torch.Tensor  # (n, D) on the device, in the generator's dtype
+    keys: torch.Tensor  # (n, D) on the device, in the cache's dtype (KEY_CACHE_DTYPE)
     ids: torch.Tensor  # (n,) int64 on the device
 
     @classmethod
@@ -27,6 +27,11 @@ class DevicePassage:
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.ids.numel() * self.ids.element_size()
+
+
+# shards are cached at the precision indexes store keys in (fp16; an int8 or PQ index decodes to about that), half
+# of fp32's bytes; a question's memory is built from them in the CP head's dtype (cprag.runtime.place)
+KEY_CACHE_DTYPE = torch.float16
 
 
 class KeyCache:

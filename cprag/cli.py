@@ -188,7 +188,7 @@ def index_command(
     from cprag.checkpoint import load_model, model_fingerprint
     from cprag.indexing import IndexConfig, build_index
     from cprag.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, MiniLMEmbedder
-    from cprag.runtime import default_device, resolve_dtype
+    from cprag.runtime import default_device, place, resolve_dtype
 
     above = APPROXIMATE_ABOVE if approximate_above is None else approximate_above
     config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild,
@@ -206,7 +206,7 @@ def index_command(
     with err.status("loading the model and the retriever"):
         model, tokenizer = load_model(checkpoint)
         fingerprint = model_fingerprint(model)  # of the stored weights, so any dtype's index opens in any other
-        model = model.to(device, cast)
+        model = place(model, device, cast)
         embedder = MiniLMEmbedder()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     progress = Progress(*columns, console=err, transient=as_json)
@@ -813,7 +813,7 @@ def eval_bench_command(
     from cprag.errors import ConfigError
     from cprag.indexing import IndexConfig, build_index
     from cprag.retrieve import MiniLMEmbedder
-    from cprag.runtime import default_device, resolve_dtype
+    from cprag.runtime import default_device, place, resolve_dtype
 
     if documents < 0:
         raise ConfigError("--documents", documents, "must be 0 (all) or a positive count")
@@ -825,7 +825,7 @@ def eval_bench_command(
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
         fingerprint = model_fingerprint(model)  # of the stored weights: an --index built in another dtype opens
-        model = model.to(device, resolve_dtype(device, dtype))
+        model = place(model, device, resolve_dtype(device, dtype))
     with tempfile.TemporaryDirectory() as scratch:
         chosen = read_corpus(corpus).documents
         if documents and index is None:

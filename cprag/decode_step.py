@@ -16,11 +16,13 @@ from cprag.model import CopyMemory
 LOG_HALF = math.log(0.5)
 
 
-def shared_memory(passages: list[DevicePassage]) -> tuple[CopyMemory | None, torch.Tensor, torch.Tensor]:
-    """One memory over all passages, plus per entry its passage index and token position."""
+def shared_memory(passages: list[DevicePassage], dtype: torch.dtype | None = None
+                  ) -> tuple[CopyMemory | None, torch.Tensor, torch.Tensor]:
+    """One memory over all passages (keys in `dtype`, the CP head's; default: as cached), plus per entry its
+    passage index and token position."""
     if not passages:
         return None, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-    keys = torch.cat([p.keys for p in passages]).unsqueeze(0)  # (1, M, D)
+    keys = torch.cat([p.keys for p in passages]).unsqueeze(0).to(dtype)  # (1, M, D)
     ids = torch.cat([p.ids for p in passages]).unsqueeze(0)  # (1, M)
     owner = torch.cat([torch.full((len(p.ids),), i, dtype=torch.long) for i, p in enumerate(passages)])
     position = torch.cat([torch.arange(len(p.ids)) for p in passages])

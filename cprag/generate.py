@@ -169,7 +169,7 @@ def generate(
         hidden, features, cache = model.encode_hidden(prompt_tensor, torch.ones_like(prompt_tensor), use_cache=True)
     memory, owner, position = None, None, None
     if mode == "hidden":
-        memory, owner, position = shared_memory(passages)
+        memory, owner, position = shared_memory(passages, model.head_dtype)
     elif mode == "visible" and visible_keys and spans:
         memory, owner, position = prompt_passage_memory(model, features, prompt_tensor, spans, bodies)
     continues = None  # (M,) entry m's token continues entry m - 1's word, when whole words are kept

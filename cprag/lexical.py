@@ -62,7 +62,27 @@ def token_pieces(tokenizer) -> tuple[str, ...]:
 def word_ids(tokenizer, ids) -> torch.Tensor:
     """(n,) int64 for token ids (n,): each token gets the id of the lowercase word (maximal letter-or-digit run)
     its first letter or digit belongs to, so sub-word tokens of one word share it; -1 for tokens without one and
-    for stopwords and one-character words. Ids are shared by every call in a process."""
+    for stopwords and one-character words. Ids are shared by every call in a process.
+
+    A memory is passages each closed by a special token, which ends any word; so each passage's part is read
+    once per process and remembered (a question's memory is mostly passages other questions retrieved)."""
+    ids, special = [int(t) for t in ids], _special_ids(tokenizer)
+    out, start = [], 0
+    for index, token in enumerate(ids):
+        if token in special:
+            out.extend(_segment_word_ids(tokenizer, tuple(ids[start : index + 1])))
+            start = index + 1
+    out.extend(_segment_word_ids(tokenizer, tuple(ids[start:])))
+    return torch.tensor(out, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=4)
+def _special_ids(tokenizer) -> frozenset[int]:
+    return frozenset(tokenizer.all_special_ids)
+
+
+@functools.lru_cache(maxsize=4096)  # passages: a few hundred tokens each
+def _segment_word_ids(tokenizer, ids: tuple[int, ...]) -> tuple[int, ...]:
     pieces = token_pieces(tokenizer)
     out = [-1] * len(ids)
     members: list[int] = []
@@ -88,7 +108,7 @@ def word_ids(tokenizer, ids) -> torch.Tensor:
             else:
                 close()
     close()
-    return torch.tensor(out, dtype=torch.long)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4)

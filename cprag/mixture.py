@@ -73,10 +73,12 @@ def copy_log_probs(scores: torch.Tensor, sink_score: torch.Tensor, mask: torch.T
     return CopyLogProbs(log_a=scores - lse.unsqueeze(-1), log_a_sink=sink_score - lse)
 
 
-def scatter_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
-    """out[..., v] = log Σ_{j: index[..., j] = v} exp(values[..., j]); -inf where no j maps to v.
+def bucket_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """For each entry j, log Σ_{k: index[..., k] = index[..., j]} exp(values[..., k]): the logsumexp of its bucket,
+    at the entry. values: (..., M), index: (..., M) or (M,) int64 in [0, size). Returns (..., M).
 
-    values: (..., M), index: (..., M) or (M,) int64. Exact in log space: each bucket is shifted by its own max.
+    Exact in log space: each bucket is shifted by its own max. Two (..., size) buffers are written once each
+    (the buckets' maxima and sums); everything else is (..., M).
     """
     index = index.expand_as(values)
     out_shape = values.shape[:-1] + (size,)
@@ -84,11 +86,31 @@ def scatter_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> t
     bucket_max = bucket_max.scatter_reduce(-1, index, values, reduce="amax", include_self=True)
     shift = bucket_max.gather(-1, index)  # (..., M)
     # entries that are -inf (masked) contribute exp(-inf) = 0; a bucket whose max is -inf stays empty
-    shifted = torch.where(torch.isfinite(shift), values - shift, torch.full_like(values, NEG_INF))
+    filled = torch.isfinite(shift)
+    shifted = torch.where(filled, values - shift, torch.full_like(values, NEG_INF))
     sums = torch.zeros(out_shape, dtype=values.dtype, device=values.device).scatter_add(-1, index, shifted.exp())
-    filled = torch.isfinite(bucket_max)
+    sums = sums.gather(-1, index)  # (..., M)
     # log of an empty bucket's zero sum would poison gradients with 0/0, so it never reaches the log
-    return torch.where(filled, torch.where(filled, sums, 1.0).log() + bucket_max, bucket_max)
+    return torch.where(filled, torch.where(filled, sums, 1.0).log() + shift, shift)
+
+
+def dense_ranks(index: torch.Tensor) -> torch.Tensor:
+    """(..., M) int64 -> (..., M) int64 in [0, M): equal exactly where `index` is equal along the last dim. Buckets
+    keyed by these need M slots, not the vocabulary's."""
+    ordered, order = index.sort(-1)
+    starts = torch.ones_like(ordered)
+    starts[..., 1:] = (ordered[..., 1:] != ordered[..., :-1]).long()
+    return torch.empty_like(ordered).scatter_(-1, order, starts.cumsum(-1) - 1)
+
+
+def scatter_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """out[..., v] = log Σ_{j: index[..., j] = v} exp(values[..., j]); -inf where no j maps to v.
+
+    values: (..., M), index: (..., M) or (M,) int64. Exact in log space (`bucket_logsumexp`).
+    """
+    index = index.expand_as(values)
+    out = torch.full(values.shape[:-1] + (size,), NEG_INF, dtype=values.dtype, device=values.device)
+    return out.scatter(-1, index, bucket_logsumexp(values, index, size))
 
 
 def generator_weight_log(gate: GateLogProbs, copy: CopyLogProbs) -> torch.Tensor:
@@ -101,10 +123,15 @@ def mixture_log_probs(gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Te
 
     Returns (..., V).
     """
-    vocab = gate.log_p_gen.shape[-1]
     generated = generator_weight_log(gate, copy).unsqueeze(-1) + gate.log_p_gen  # (..., V)
-    copied = gate.log_g.unsqueeze(-1) + scatter_logsumexp(copy.log_a, copy_ids, vocab)  # (..., V)
-    return torch.logaddexp(generated, copied)
+    # only the M tokens in memory get copy mass: mix at those, and leave every other token's generated value (a
+    # vocabulary-wide logaddexp with -inf would give the same numbers, at several passes over (..., V) per step)
+    index = copy_ids.expand_as(copy.log_a)  # (..., M)
+    # buckets by token, numbered within each row (copy_ids is usually one row per batch item, broadcast over T)
+    buckets = dense_ranks(copy_ids).expand_as(copy.log_a)
+    copied = gate.log_g.unsqueeze(-1) + bucket_logsumexp(copy.log_a, buckets, buckets.shape[-1])  # (..., M)
+    mixed = torch.logaddexp(generated.gather(-1, index), copied)  # equal for entries pasting the same token
+    return generated.scatter(-1, index, mixed) if generated.requires_grad else generated.scatter_(-1, index, mixed)
 
 
 def mixture_target_log_probs(

@@ -334,6 +334,7 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         super().__init__(config)
         self.backbone = backbone if backbone is not None else AutoModel.from_config(config.backbone_config)
         self.copy_gate = nn.Linear(config.hidden_size, 1)  # the `<copy>` row of the LM head
+        self.packed_lm_head: nn.Module | None = None  # the tied rows as one fast linear (cprag.runtime.place)
         self.cp_head = CopyHead(config)
         self.adapters = build_adapters(self.backbone, config.adapter_layers, config.adapted_modules,
                                        config.adapter_rank, config.adapter_alpha) if config.adapter_layers else None
@@ -349,9 +350,17 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.get_input_embeddings()
 
+    @property
+    def head_dtype(self) -> torch.dtype:
+        """The CP head's precision, which may be finer than the backbone's (cprag.runtime.place)."""
+        return self.cp_head.sink_key.dtype
+
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits from the rows tied to the input embeddings. (..., H) -> (..., V)."""
-        return hidden @ self.get_input_embeddings().weight.T
+        """Vocabulary logits from the rows tied to the input embeddings, in `hidden`'s dtype. (..., H) -> (..., V)."""
+        weight = self.get_input_embeddings().weight
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden.to(weight.dtype)).to(hidden.dtype)
+        return (hidden.to(weight.dtype) @ weight.T).to(hidden.dtype)
 
     def _cp_input(self, hidden: torch.Tensor) -> torch.Tensor:
         # the stop-gradient ablation: the CP head still trains, but its gradient never reaches the backbone
@@ -409,6 +418,7 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
     def document_keys_from_hidden(self, features, input_ids, attention_mask) -> CopyMemory:
         """CP-head input (B, T, C) of [BOS, t_1 .. t_n] (right padded) -> keys (B, T, D), ids (B, T), mask (B, T)."""
         mask = attention_mask.bool()
+        features = features.to(self.head_dtype)
         last = (mask.sum(-1) - 1).clamp(min=0).unsqueeze(1)  # (B, 1)
         paste_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
         paste_ids = paste_ids.scatter(1, last, self.config.end_id).masked_fill(~mask, 0)
@@ -525,7 +535,9 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         while every position still contributes its own-context key. `copyable` (B, T): see `context_memory`.
         """
         head = self.cp_head
-        cp_hidden = self._cp_input(hidden if cp_features is None else cp_features)
+        # a bf16 backbone's states enter an fp32 head as fp32 (cprag.runtime.place); a no-op when they agree
+        hidden = hidden.to(self.head_dtype)
+        cp_hidden = self._cp_input((hidden if cp_features is None else cp_features).to(self.head_dtype))
         own_keys = head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
         ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool(),
                                                            query_positions, copyable)

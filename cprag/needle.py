@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cprag.batch_generate import generate_batch
-from cprag.cache import DevicePassage
+from cprag.cache import KEY_CACHE_DTYPE, DevicePassage
 from cprag.encode import PassageKeys, TokenizedPassage, encode_passages
 from cprag.prompt import prompt_ids
 from cprag.store import StoredPassage
@@ -122,7 +122,7 @@ class HaystackKeys:
         self.cache: dict[tuple[int, ...], DevicePassage] = {}
         self.similarity: dict[tuple[int, ...], float] = {}  # cosine of QUESTION to each distinct passage
         parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
+        self.device, self.dtype = parameter.device, KEY_CACHE_DTYPE
 
     def passages(self, haystack: Haystack) -> list[DevicePassage]:
         missing = list(dict.fromkeys(tuple(b) for b in haystack.blocks if tuple(b) not in self.cache))

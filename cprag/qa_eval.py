@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cprag.batch_generate import batch_supported, generate_batch
-from cprag.cache import DevicePassage
+from cprag.cache import KEY_CACHE_DTYPE, DevicePassage
 from cprag.encode import PassageKeys, encode_passages, tokenize_passage
 from cprag.generate import generate
 from cprag.key_codec import PQ_TRAIN_KEYS, PQCodebook, round_trip
@@ -62,7 +62,7 @@ class OracleMemory:
         self.key_codec = key_codec  # keys as an index storing them this way gives them back
         self.encoded: dict[str, DevicePassage] = {}
         parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
+        self.device, self.dtype = parameter.device, KEY_CACHE_DTYPE
 
     def get(self, passage_ids: list[str]) -> list[DevicePassage]:
         missing = [p for p in passage_ids if p not in self.encoded]

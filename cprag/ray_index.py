@@ -61,7 +61,7 @@ class PassageEncoder:
 
         from cprag.checkpoint import load_model, model_fingerprint
         from cprag.retrieve import MiniLMEmbedder
-        from cprag.runtime import resolve_dtype
+        from cprag.runtime import place, resolve_dtype
 
         torch.set_num_threads(threads)  # the CPUs Ray reserved for this actor, not every core of the node
         model, self.tokenizer = load_model(checkpoint)
@@ -69,7 +69,7 @@ class PassageEncoder:
         if found != fingerprint:  # a node with another checkpoint at the same path would write foreign keys
             raise CheckpointError(checkpoint or "default", f"on a Ray worker its fingerprint is {found[:16]}…, on "
                                   f"the driver {fingerprint[:16]}…: every node needs the same checkpoint files")
-        self.model = model.to(device, resolve_dtype(device, dtype))
+        self.model = place(model, device, resolve_dtype(device, dtype))
         self.embedder = MiniLMEmbedder(device=device)
         self.key_codec = key_codec
 

@@ -13,12 +13,30 @@ import torch
 
 from cprag.cpu_features import cpu_has_bf16_units
 from cprag.errors import ConfigError
+from cprag.packed import PackedLinear, pack_decoder_layers, packing_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # bf16 as the CPU default where the CPU has bf16 units. The rule: only if hidden EM on 300 validation questions
 # moves by at most 1 point. Measured in one run (eval/dtype/qa.json, AVX512-BF16): EM 50.67 in both, F1 58.29 vs
 # 58.22, 4 of 300 answers changed; key encoding 2.38x faster, ask p50 0.64x
 CPU_BF16_DEFAULT = True
+
+
+def place(model, device: str, dtype: torch.dtype):
+    """The generator on `device` for inference: the backbone in `dtype` (in bf16 on a CPU, its blocks run on fused
+    weights packed for oneDNN, `cprag.packed`), the CP head and the `<copy>` gate in fp32.
+
+    Copy scores are logits in the tens; bf16 keeps 8 bits, so rounding one moved a copy probability by 10 to 25%,
+    and which way depended on the batch a question shared (oneDNN picks kernels by shape): batched answers then
+    differed from one-at-a-time ones. The head is a few small matmuls per step, so fp32 costs little there.
+    """
+    model = model.to(device, dtype)
+    model.cp_head.float()
+    model.copy_gate.float()
+    if packing_supported(device, dtype):  # the same outputs, faster (cprag.packed)
+        pack_decoder_layers(model.backbone)
+        model.packed_lm_head = PackedLinear(model.get_input_embeddings().weight.detach())
+    return model
 
 
 def default_device() -> str:

@@ -27,6 +27,7 @@ from cprag.encode import encode_passages, tokenize_passage
 from cprag.evaluate import sample_examples
 from cprag.metrics import paired_interval
 from cprag.qa_eval import evaluate_oracle
+from cprag.runtime import place
 from cprag.squad import read_squad
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {"dtype/questions": len(examples), "dtype/encode_tokens": tokens}
     scores = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        model = model.to(dtype)
+        model = place(model, "cpu", dtype)  # as `cprag ask` runs it: the CP head stays fp32
         list(encode_passages(model, passages[:8], tokenizer.bos_token_id))  # warm-up
         tick = time.perf_counter()
         list(encode_passages(model, passages, tokenizer.bos_token_id))

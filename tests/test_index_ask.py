@@ -410,7 +410,7 @@ def test_key_shards_are_reused_across_questions_and_evicted_lru(tmp_path, checkp
     index.ask("When did the glass bridge open?", k=2, max_new_tokens=2)
     assert len(loads) == 1 and index.cache.hits == 2 and index.cache.misses == 2
     sizes = {pid: p.n_tokens for pid, p in index.store.fetch(["ferry", "geese"]).items()}
-    index.cache.max_bytes = sum(n * (8 * 4 + 8) for n in sizes.values())  # fp32 keys (D=8) + int64 ids
+    index.cache.max_bytes = sum(n * (8 * 2 + 8) for n in sizes.values())  # fp16 keys (D=8) + int64 ids
     index.ask("What time does the night ferry leave?", k=1, max_new_tokens=2)
     index.ask("When do the geese arrive?", k=1, max_new_tokens=2)
     assert len(index.cache.entries) == 2 and index.cache.bytes <= index.cache.max_bytes

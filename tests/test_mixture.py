@@ -6,7 +6,9 @@ import torch
 
 from cprag.mixture import (
     copy_log_probs,
+    dense_ranks,
     gate_log_probs,
+    generator_weight_log,
     mixture_log_probs,
     mixture_target_log_probs,
     scatter_logsumexp,
@@ -98,3 +100,31 @@ def test_loss_gradients_are_finite_when_the_target_is_not_in_memory():
     log_p = mixture_target_log_probs(gate_log_probs(lm, c), copy_log_probs(s, sink, mask), ids, absent)
     (-log_p.sum()).backward()
     assert torch.isfinite(lm.grad).all() and torch.isfinite(s.grad).all()
+
+
+def vocabulary_wide_mixture(gate, copy, ids):
+    """The mixture as one logaddexp over the whole vocabulary (what `mixture_log_probs` computed before it mixed
+    only at the memory's tokens)."""
+    generated = generator_weight_log(gate, copy).unsqueeze(-1) + gate.log_p_gen
+    copied = gate.log_g.unsqueeze(-1) + scatter_logsumexp(copy.log_a, ids, gate.log_p_gen.shape[-1])
+    return torch.logaddexp(generated, copied)
+
+
+def test_mixing_only_at_memory_tokens_is_bit_for_bit_the_vocabulary_wide_mixture():
+    gen = torch.Generator().manual_seed(7)
+    batch, steps, vocab, memory = 4, 3, 500, 60
+    lm = torch.randn(batch, steps, vocab, generator=gen) * 4
+    copy_logit, sink = torch.randn(batch, steps, generator=gen), torch.randn(batch, steps, generator=gen)
+    scores = torch.randn(batch, steps, memory, generator=gen) * 6
+    mask = torch.rand(batch, steps, memory, generator=gen) > 0.2
+    mask[0, :, :] = False  # a row with nothing to copy
+    ids = torch.randint(0, 40, (batch, 1, memory), generator=gen)  # many repeats, per-row memories
+    gate, copy = gate_log_probs(lm, copy_logit), copy_log_probs(scores, sink, mask)
+    assert torch.equal(mixture_log_probs(gate, copy, ids), vocabulary_wide_mixture(gate, copy, ids))
+    shared = ids[1, 0]  # (M,) ids, one memory for every row
+    assert torch.equal(mixture_log_probs(gate, copy, shared), vocabulary_wide_mixture(gate, copy, shared))
+
+
+def test_dense_ranks_number_each_rows_distinct_ids_from_zero():
+    index = torch.tensor([[50, 7, 50, 9, 7], [3, 3, 3, 3, 3]])
+    assert dense_ranks(index).tolist() == [[2, 0, 2, 1, 0], [0, 0, 0, 0, 0]]
