@@ -104,7 +104,7 @@ def _packed_block_forward(self, hidden_states: torch.Tensor, attention_mask: tor
                           position_ids: torch.Tensor | None = None, cache=None, use_cache: bool = False,
                           position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
     """transformers' LlamaDecoderLayer.forward, op for op, on the fused packed weights. (B, T, H) -> (B, T, H)."""
-    if torch.is_grad_enabled() or hidden_states.dtype != torch.bfloat16:
+    if torch.is_grad_enabled() or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu":
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
                                   **kwargs)
@@ -127,8 +127,9 @@ def _packed_block_forward(self, hidden_states: torch.Tensor, attention_mask: tor
 
 def pack_decoder_layers(backbone: nn.Module) -> int:
     """Give every plain Llama block of `backbone` a forward over fused packed weights (inference only: with
-    autograd on, the block runs transformers' own forward); any other block gets `pack_linears`. Returns how many
-    blocks were fused. The projections stay as they were (state dicts and fingerprints see the same layers)."""
+    autograd on, or another dtype or device, the block runs transformers' own forward); any other block gets
+    `pack_linears`. Returns how many blocks were fused. The projections stay as they were (state dicts and
+    fingerprints see the same layers)."""
     fused = 0
     for layer in getattr(backbone, "layers", []):
         if not _is_plain_llama_block(layer):
