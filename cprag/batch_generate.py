@@ -102,7 +102,8 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
 
     `max_rows` caps the rows decoded together (default: all the questions at once). With a cap, the batch is
     continuous: whenever half its rows have finished, the next questions' prompts are run and join it, so a
-    long answer does not hold back the questions after it.
+    long answer does not hold back the questions after it. Questions start shortest prompt first (a stream's
+    in the order asked), so the prompts run together pad little.
 
     `passage_scores[i]` (the retriever's score of each of question i's passages) with `passage_prior` > 0 adds
     the passage prior (`cprag.passage_prior`) to question i's copy scores; `end_bias`: see `generate`.
@@ -147,6 +148,10 @@ def generate_batch(model, tokenizer, questions: list[str], passages: list[list[D
                             end_bias=model.config.end_bias if end_bias is None else end_bias)
     max_rows = len(rows) if max_rows is None else max_rows
     waiting, running = list(range(len(rows))), None  # questions not yet started; the batch being decoded
+    if on_token is None and cancelled is None:
+        # questions of like prompt length start together, so a prompt pass pads less (4.7% more questions per
+        # second at 16 per batch, eval/cpu-latency.md); a stream keeps its order: first asked, first started
+        waiting.sort(key=lambda n: (len(rows[n].prompt), rows[n].index, rows[n].rank))
     while True:
         if running is not None:
             for i in running.live:
