@@ -86,10 +86,12 @@ def run_child(spec: dict, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def snapshot_rows(index_dir: Path) -> dict:
-    """What a reader sees (cprag.snapshot): rows by passage id, FAISS ids, manifest counts."""
+    """What a reader sees (cprag.snapshot): rows by passage id, FAISS ids, manifest counts. It waits as `Index`
+    does (`COMMIT_WAIT_S`) while a running writer's commit lands between its reads; without a writer that costs
+    nothing."""
     from cprag.snapshot import open_snapshot
 
-    snap = open_snapshot(index_dir, wait_s=0)
+    snap = open_snapshot(index_dir)
     table = snap.store.table.to_arrow()
     rows = table.select(["passage_id", "doc_hash", "token_ids", "keys"]).to_pylist()
     return {"rows": sorted((r["passage_id"], r["doc_hash"], r["token_ids"], r["keys"]) for r in rows),
