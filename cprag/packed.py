@@ -29,6 +29,16 @@ def packing_supported(device: str | torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def _packed(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `weights` stacked, in oneDNN's blocked layout (a hint of None: blocked for any number of input
+    rows; decoding feeds 1 to a few hundred)."""
+    return torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
+
+
+def _apply(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [None], "")
+
+
 class PackedLinear(nn.Module):
     """An inference-only `nn.Linear` whose weight is also held in oneDNN's blocked layout.
 
@@ -43,13 +53,12 @@ class PackedLinear(nn.Module):
         # a layer's parameters stay registered under their old names (state dicts, `.to`, `parameters()`); a
         # plain tensor (the tied LM head's rows) stays an attribute, so nothing is listed twice
         self.weight, self.bias = weight, bias
-        # a hint of None: blocked for any number of rows (decoding feeds 1 to a few hundred)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.packed = _packed([weight])
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if inputs.dtype != torch.bfloat16 or inputs.device.type != "cpu" or torch.is_grad_enabled():
             return nn.functional.linear(inputs, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(inputs, self.packed, self.bias, "none", [None], "")
+        return _apply(inputs, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -79,12 +88,6 @@ class PackedBlockWeights:
     down: torch.Tensor
 
 
-def _packed(weights: list[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
-
-
-def _apply(inputs: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(inputs, packed, None, "none", [None], "")
 
 
 def _is_plain_llama_block(layer: nn.Module) -> bool:

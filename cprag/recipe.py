@@ -123,6 +123,13 @@ def fit_questions(data_path: str | Path, data: SquadData, tokenizer, questions: 
     return examples, [oracle_passage_ids(e, ids, 4, rng) for e in examples]
 
 
+def resume_records(path: Path, examples) -> tuple[dict[str, dict], list[int]]:
+    """What a fit script collected into `path` before (JSON lines keyed by "qid"), and the indices of `examples`
+    it has still to collect: the scripts append one record per question, so an interrupted run resumes."""
+    done = {r["qid"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    return done, [i for i, e in enumerate(examples) if e.qid not in done]
+
+
 def screen_variant(prepared: Prepared, config: TrainConfig, validation_limit: int = 2000) -> dict:
     """A quick lever screen: train, then teacher-forced metrics (no decoding) on validation questions
     (`validation/tf/...`) and on 400 training questions (`train/tf/...`, to tell under- from overfitting)."""

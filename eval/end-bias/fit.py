@@ -39,7 +39,7 @@ from cprag.passage_prior import passage_bias
 from cprag.prompt import end_of_turn_id, prompt_ids
 from cprag.prompt_prefix import prompt_prefix
 from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import add_fit_question_arguments, fit_questions
+from cprag.recipe import add_fit_question_arguments, fit_questions, resume_records
 from cprag.squad import answer_token_span, read_squad
 
 BIASES = (2, 1, 0.5, 0, -0.5, -1, -1.5, -2, -2.5, -3, -4, -5, -6)
@@ -106,10 +106,7 @@ def collect(args) -> list[dict]:
     data = read_squad(args.data)
     examples, chosen = fit_questions(args.data, data, tokenizer, args.questions, args.seed,
                                      args.seen if args.unseen else None, args.articles)
-    done = {}
-    if args.records.exists():
-        done = {r["qid"]: r for r in map(json.loads, args.records.read_text().splitlines())}
-    todo = [i for i, e in enumerate(examples) if e.qid not in done]
+    done, todo = resume_records(args.records, examples)
     if todo:
         scores = retrieval_scores([examples[i].question for i in todo], [chosen[i] for i in todo], data.passages)
         memory, prefix = OracleMemory(model, tokenizer, data.passages), prompt_prefix(model, tokenizer)

@@ -32,7 +32,7 @@ from cprag.passage_prior import PassagePrior
 from cprag.prompt import prompt_ids
 from cprag.prompt_prefix import prompt_prefix
 from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import add_fit_question_arguments, fit_questions
+from cprag.recipe import add_fit_question_arguments, fit_questions, resume_records
 from cprag.squad import read_squad
 
 WEIGHTS = (0, 1, 2, 4, 6, 8, 10, 12, 15, 20, 25, 30, 40)
@@ -63,10 +63,7 @@ def collect(args) -> list[dict]:
     data = read_squad(args.data)
     examples, chosen = fit_questions(args.data, data, tokenizer, args.questions, args.seed,
                                      args.seen if args.unseen else None, args.articles)
-    done = {}
-    if args.records.exists():
-        done = {r["qid"]: r for r in map(json.loads, args.records.read_text().splitlines())}
-    todo = [i for i, e in enumerate(examples) if e.qid not in done]
+    done, todo = resume_records(args.records, examples)
     if todo:
         scores = retrieval_scores([examples[i].question for i in todo], [chosen[i] for i in todo], data.passages)
         memory, prefix = OracleMemory(model, tokenizer, data.passages), prompt_prefix(model, tokenizer)
