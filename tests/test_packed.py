@@ -1,13 +1,16 @@
 """The generator as `cprag.runtime.place` sets it up for inference: a bf16 backbone whose linear layers are packed
 for oneDNN (the same outputs, faster), and a CP head kept in fp32."""
 
+import platform
+import sys
+
 import pytest
 import torch
 from tiny_models import VOCAB_SIZE, tiny_cplm, tiny_tokenizer
 
 from cprag.lexical import _segment_word_ids, word_ids
 from cprag.packed import PackedLinear, pack_linears, packing_supported
-from cprag.runtime import place
+from cprag.runtime import place, reuse_freed_memory
 
 needs_packing = pytest.mark.skipif(not packing_supported("cpu", torch.bfloat16), reason="no oneDNN bf16 here")
 
@@ -92,3 +95,21 @@ def test_fused_packed_blocks_give_transformers_hidden_states_and_cache_at_decodi
     with torch.enable_grad():  # autograd runs transformers' own block forward
         fused.backbone(input_ids=ids).last_hidden_state.float().sum().backward()
     assert fused.backbone.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"),
+                    reason="mallopt is glibc's")
+def test_large_tensors_come_from_the_reusable_heap_rather_than_fresh_mappings():
+    # a (rows, positions, vocabulary) tensor of ~28 MB, as a batch pass allocates: with the setting glibc serves it
+    # from the heap (where a freed block is reused) instead of a fresh mapping the kernel must zero again
+    def in_heap(address: int) -> bool:
+        for line in open("/proc/self/maps"):
+            span, *rest = line.split()
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return rest[-1] == "[heap]"
+        return False
+
+    assert reuse_freed_memory()
+    tensor = torch.empty(144 * 49152, dtype=torch.float32)
+    assert in_heap(tensor.data_ptr())
