@@ -88,8 +88,6 @@ class PackedBlockWeights:
     down: torch.Tensor
 
 
-
-
 def _is_plain_llama_block(layer: nn.Module) -> bool:
     """A transformers Llama block with bias-free projections, SiLU gating and sdpa attention, in bf16 on a CPU."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)

@@ -44,9 +44,9 @@ def place(model, device: str, dtype: torch.dtype):
     return model
 
 
-# glibc's mallopt parameters (malloc.h)
+# glibc's mallopt parameters (malloc.h) and the values set
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_HEAP_REUSE = {"mmap_threshold": 256 << 20, "trim_threshold": 1 << 30}
+_MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES = 256 << 20, 1 << 30
 
 
 def reuse_freed_memory() -> bool:
@@ -59,8 +59,8 @@ def reuse_freed_memory() -> bool:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_REUSE["mmap_threshold"])
-                    and libc.mallopt(_M_TRIM_THRESHOLD, _HEAP_REUSE["trim_threshold"]))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+                    and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
     except (OSError, AttributeError, TypeError):
         return False
 
