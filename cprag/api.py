@@ -244,7 +244,7 @@ def load_reranker(checkpoint: str | Path | None, model_config) -> StartReranker 
     except (ValueError, TypeError, json.JSONDecodeError) as error:
         raise CheckpointError(str(directory), f"unreadable {RERANKER_FILE}: {error}") from None
     if reranker is not None and not reranker.fits(model_config):
-        raise CheckpointError(str(directory), f"{RERANKER_FILE} reads {len(reranker.weights)} features, not what "
+        raise CheckpointError(str(directory), f"{RERANKER_FILE} reads {reranker.features} features, not what "
                               "this checkpoint's lexical features give: it belongs to another checkpoint")
     return reranker
 

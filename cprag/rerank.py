@@ -1,4 +1,4 @@
-"""Choosing among start-beam answers: a linear scorer over whole candidate spans.
+"""Choosing among start-beam answers: a small scorer (linear, or one hidden layer) over whole candidate spans.
 
 `generate(..., start_beam=B)` decodes greedily from the B most probable first tokens. The model's own sequence
 probability cannot tell which of those answers is right (it picks the greedy one or worse), yet one of the other
@@ -13,7 +13,8 @@ span-level view adds to its probabilities:
   comes from the same passage as the greedy answer and overlaps it.
 
 The weights are fitted on training-file questions the checkpoint never trained on (`eval/rerank/fit.py`) and ship
-beside the checkpoint as `reranker.json`.
+beside the checkpoint as `reranker.json`. Format 1 is linear; format 2 adds an optional hidden layer (GELU), which
+interactions like "a digit, for a when-question, far from the question's words" need.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from cprag.errors import ConfigError
 from cprag.lexical import QUESTION_TYPES, STOPWORDS, question_type
 
 RERANKER_FILE = "reranker.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # format 1: linear only
 MAX_RANK = 4  # ranks past this share the last rank indicator
 PRIOR_WORD_FEATURES = 6  # overlap@3, @12, @40, sentence, sentence/best, in_question
 
@@ -101,27 +103,44 @@ def feature_count(prior_size: int) -> int:
 
 @dataclass
 class StartReranker:
-    """score = w . (features - mean) / scale; the candidate of the highest score is the answer."""
+    """score = w . h((features - mean) / scale), with h the identity (linear) or GELU(W x + b) (`hidden`, H x F);
+    the candidate of the highest score is the answer."""
 
-    weights: list[float]
-    mean: list[float]
-    scale: list[float]
+    weights: list[float]  # (F,) linear, or (H,) over the hidden units
+    mean: list[float]  # (F,)
+    scale: list[float]  # (F,)
     beam: int  # the start beam it was fitted for, the default `--start-beam` with it
     fitted_on: dict  # what it was fitted on, and its validation figures
+    hidden: list[list[float]] | None = None  # (H, F)
+    hidden_bias: list[float] | None = None  # (H,)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
-        if not len(self.weights) == len(self.mean) == len(self.scale):
+        scored = len(self.hidden) if self.hidden is not None else len(self.mean)  # what `weights` multiplies
+        if len(self.mean) != len(self.scale) or len(self.weights) != scored:
             raise ValueError(f"reranker weights, mean and scale differ in length: {len(self.weights)}, "
                              f"{len(self.mean)}, {len(self.scale)}")
+        if self.hidden is not None and (self.hidden_bias is None or len(self.hidden_bias) != len(self.hidden)
+                                        or any(len(row) != len(self.mean) for row in self.hidden)):
+            raise ValueError(f"reranker hidden layer is not {len(self.weights)} x {len(self.mean)} with a bias "
+                             "per unit")
+
+    @property
+    def features(self) -> int:
+        """F, the number of span features it reads."""
+        return len(self.mean)
 
     def scores(self, features: torch.Tensor) -> torch.Tensor:
         """(B,) scores of (B, F) features."""
-        if features.shape[1] != len(self.weights):
-            raise ValueError(f"the reranker reads {len(self.weights)} features, these candidates have "
+        if features.shape[1] != self.features:
+            raise ValueError(f"the reranker reads {self.features} features, these candidates have "
                              f"{features.shape[1]}")
         weights, mean, scale = (torch.tensor(v, dtype=torch.float32) for v in (self.weights, self.mean, self.scale))
-        return ((features - mean) / scale) @ weights
+        inputs = (features - mean) / scale  # (B, F)
+        if self.hidden is not None:
+            hidden = torch.tensor(self.hidden, dtype=torch.float32)  # (H, F)
+            inputs = torch.nn.functional.gelu(inputs @ hidden.T + torch.tensor(self.hidden_bias))  # (B, H)
+        return inputs @ weights
 
     def choose(self, question: str, candidates: list[SpanCandidate]) -> int:
         """The index of the chosen candidate."""
@@ -132,7 +151,7 @@ class StartReranker:
     @property
     def prior_size(self) -> int:
         """The length of the lexical feature vector it was fitted with (`feature_count` inverted)."""
-        return next((size for size in range(len(self.weights)) if feature_count(size) == len(self.weights)), 0)
+        return next((size for size in range(self.features) if feature_count(size) == self.features), 0)
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / RERANKER_FILE
@@ -146,14 +165,14 @@ class StartReranker:
         if not path.is_file():
             return None
         values = json.loads(path.read_text())
-        if values.get("format_version") != FORMAT_VERSION:
+        if values.get("format_version") not in READABLE_VERSIONS:
             raise ValueError(f"{path}: reranker format {values.get('format_version')}, this cprag reads "
-                             f"{FORMAT_VERSION}")
+                             f"{', '.join(map(str, READABLE_VERSIONS))}")
         return cls(**values)
 
     def fits(self, model_config) -> bool:
         """Whether it reads the lexical features `model_config`'s CP head computes (the same checkpoint's)."""
-        return len(self.weights) == feature_count(prior_feature_count(model_config))
+        return self.features == feature_count(prior_feature_count(model_config))
 
 
 def check_start_beam(beam: int | None) -> int | None:

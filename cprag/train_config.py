@@ -38,7 +38,7 @@ class TrainConfig:
     # use only a seeded sample of this many training questions (the training-set size lever)
     max_questions: int | None = None
     # blocks below this one are frozen and cached once (cprag.activations); adapters must sit at or above it
-    cache_layer: int = 24
+    cache_layer: int = 18
     # what the training steps and the activation cache compute in: bf16 autocast or fp32; "auto" (the default)
     # is bf16 where the CPU has bf16 units and fp32 where it would emulate them (cprag.cpu_features), and the
     # config records which; the cache keeps float16 either way
@@ -57,7 +57,7 @@ class TrainConfig:
         "key_dim": 64, "key_sees_token": False, "doc_refine_layers": 1, "doc_refine_dim": 128,
         "end_entries": True, "successor_bias": True, "cp_layers": [8, 16, 24], "doc_lookahead": 2,
         "lexical_prior": True, "lexical_windows": [3, 12, 40], "lexical_sentences": True, "lexical_types": True,
-        "copied_span_ends": "successor", "adapter_layers": [24, 25, 26, 27, 28, 29], "adapter_rank": 16,
+        "copied_span_ends": "successor", "adapter_layers": list(range(18, 30)), "adapter_rank": 16,
     })
 
     def __post_init__(self):

@@ -28,15 +28,22 @@ def head(**change) -> dict:
     return {"head": {**BASE.head, **change}}
 
 
+def six_blocks(**change) -> dict:
+    """The recipe before session 31 (adapters on blocks 24-29 over a cache of blocks 0-23), which the table's
+    other rows changed one setting of."""
+    return {"cache_layer": 24, "head": {**BASE.head, "adapter_layers": list(range(24, 30)), **change}}
+
+
 VARIANTS: dict[str, dict] = {
-    "default: adapters on blocks 24-29, all training questions, bf16": {},
-    "frozen backbone (no adapters: the stop-gradient ablation)": head(adapter_layers=None),
+    "default: adapters on blocks 18-29, all training questions, bf16": {},
+    "adapters on blocks 24-29 (the default before session 31)": six_blocks(),
+    "frozen backbone (no adapters: the stop-gradient ablation)": six_blocks(adapter_layers=None),
     # capacity: 4 times the rank at the same per-component scale (alpha / rank = 2)
-    "adapters rank 64 on blocks 24-29": head(adapter_rank=64, adapter_alpha=128.0),
-    "no lexical features": head(lexical_prior=False),
-    "4.6k training questions": {"max_questions": 4571},
-    "20k training questions": {"max_questions": 20000},
-    "fp32 training steps instead of bf16 (same bf16 cache)": {"dtype": "float32"},
+    "adapters rank 64 on blocks 24-29": six_blocks(adapter_rank=64, adapter_alpha=128.0),
+    "no lexical features": six_blocks(lexical_prior=False),
+    "4.6k training questions": {**six_blocks(), "max_questions": 4571},
+    "20k training questions": {**six_blocks(), "max_questions": 20000},
+    "fp32 training steps instead of bf16 (same bf16 cache)": {**six_blocks(), "dtype": "float32"},
 }
 
 

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from cprag.api import load_passage_prior, load_reranker
 from cprag.checkpoint import load_model
 from cprag.config import CPLMConfig
 from cprag.evaluate import SquadEvalConfig
@@ -113,13 +114,16 @@ def _continued(config: TrainConfig, steps: int) -> str:
 
 def tune_threshold(out: Path, squad2_path: Path, questions: int, seed: int, report: Path, max_drop: float,
                    log) -> dict:
-    """Answer a SQuAD 2.0 sample always, take the highest confidence threshold that costs HasAns F1 at most
-    `max_drop` points, store it in the checkpoint's config as `min_confidence`, and write the squad2 report at
-    that threshold into `report`."""
+    """Answer a SQuAD 2.0 sample always, with the checkpoint's default decoding (its passage prior and start
+    reranker, when it has them), take the highest confidence threshold that costs HasAns F1 at most `max_drop`
+    points, store it in the checkpoint's config as `min_confidence`, and write the squad2 report at that threshold
+    into `report`."""
     model, tokenizer = load_model(out)
-    config = SquadEvalConfig(modes=("hidden",), limit=questions, seed=seed)
+    config = SquadEvalConfig(modes=("hidden",), limit=questions, seed=seed, batch_size=8,
+                             passage_prior=load_passage_prior(out))
     summary, results = evaluate_squad2(squad2_path, config, model, tokenizer, 0.0,
-                                       on_progress=lambda done, total: log(f"squad2: {done}/{total}", done, total))
+                                       on_progress=lambda done, total: log(f"squad2: {done}/{total}", done, total),
+                                       reranker=load_reranker(out, model.config))
     answerable = {r.qid: bool(r.references) for r in results}
     threshold = threshold_within([r.confidence for r in results], [answerable[r.qid] for r in results],
                                  [r.f1 / 100 for r in results], max_drop)

@@ -1,5 +1,8 @@
 """The start reranker: span features, its file in a checkpoint, and its choice among start-beam answers."""
 
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 from test_index_ask import DOCS, checkpoint, embedder, index_corpus, write_jsonl  # noqa: F401 - fixtures
@@ -43,13 +46,35 @@ def test_a_reranker_file_round_trips_and_a_bad_one_is_refused(tmp_path):
     assert StartReranker.load(tmp_path) == reranker
     assert StartReranker.load(tmp_path / "elsewhere") is None
     (tmp_path / RERANKER_FILE).write_text((tmp_path / RERANKER_FILE).read_text().replace(
-        '"format_version": 1', '"format_version": 9'))
+        '"format_version": 2', '"format_version": 9'))
     with pytest.raises(ValueError, match="format 9"):
         StartReranker.load(tmp_path)
     with pytest.raises(ValueError, match="differ in length"):
         StartReranker([1.0], [0.0, 0.0], [1.0], 2, {})
     with pytest.raises(ValueError, match="reads 10 features"):
         reranker.scores(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="hidden layer"):
+        StartReranker([1.0, 1.0], [0.0] * 3, [1.0] * 3, 2, {}, hidden=[[0.0] * 3, [0.0] * 2], hidden_bias=[0.0, 0.0])
+
+
+def test_a_hidden_layer_reranker_scores_through_its_units_and_a_linear_format_1_file_still_loads(tmp_path):
+    size = feature_count(4)
+    hidden = [[0.0] * size for _ in range(2)]
+    hidden[0][RANK_COLUMN + 2], hidden[1][RANK_COLUMN] = 3.0, 1.0  # unit 0 fires on the third start
+    reranker = StartReranker([1.0, -0.5], [0.0] * size, [2.0] * size, 3, {}, hidden=hidden, hidden_bias=[0.0, 0.1])
+    candidates = [candidate("Ada Lovelace", prior=[0.1] * 4), candidate("1889", prior=[0.2] * 4),
+                  candidate("the bridge", prior=[0.3] * 4)]
+    features = span_features(QUESTION, candidates)
+    units = torch.nn.functional.gelu(features / 2.0 @ torch.tensor(hidden).T + torch.tensor([0.0, 0.1]))
+    torch.testing.assert_close(reranker.scores(features), units @ torch.tensor([1.0, -0.5]))
+    assert reranker.choose(QUESTION, candidates) == 2 and reranker.prior_size == 4
+    reranker.save(tmp_path)
+    assert StartReranker.load(tmp_path) == reranker
+    linear = reranker_preferring(1, size)
+    values = {**asdict(linear), "format_version": 1}
+    del values["hidden"], values["hidden_bias"]  # what a format-1 file holds
+    (tmp_path / RERANKER_FILE).write_text(json.dumps(values))
+    assert StartReranker.load(tmp_path).choose(QUESTION, candidates) == 1
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from cprag.metrics import squad2_question_scores
 from cprag.prompt_prefix import prompt_prefix
 from cprag.qa_eval import OracleMemory, retrieval_scores
 from cprag.recipe import add_fit_question_arguments, fit_questions
-from cprag.squad import read_squad
+from cprag.squad import article_of, read_squad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +90,8 @@ def record(out: Path, example, chosen: list[str], shards, generation, model, tok
             "last_prior": None if last is None else [round(float(v), 4) for v in prior[last]],
             "passage": None if first is None else int(owner[first]), "em": 100 * em, "f1": 100 * f1,
         })
-    row = {"qid": example.qid, "question": example.question, "gold_passage": gold, "passage_scores": passage_scores,
+    row = {"qid": example.qid, "article": article_of(example.passage_id), "question": example.question,
+           "gold_passage": gold, "passage_scores": passage_scores,
            "confidence": generation.confidence, "stop_probability": generation.stop_probability,
            "alternatives": alternatives}
     with open(out, "a") as handle:

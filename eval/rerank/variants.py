@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from fit import article_of_record  # noqa: E402  (the fit's own grouping; this script's folder is on the path)
 
 from cprag.rerank import SpanCandidate, _overlap, _words, span_features
 
@@ -60,7 +61,7 @@ def build(raw: list[dict], beam: int, kinds: str) -> list[dict]:
         features = span_features(r["question"], candidates)
         if kinds != "base":
             features = torch.cat([features, extra_features(r, alternatives, kinds, span_size)], 1)
-        records.append({"article": r["qid"].rsplit("-", 1)[0], "features": features,
+        records.append({"article": article_of_record(r), "features": features,
                         "f1": torch.tensor([a["f1"] for a in alternatives]),
                         "em": torch.tensor([a["em"] for a in alternatives])})
     return records
