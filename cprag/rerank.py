@@ -23,6 +23,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -135,12 +136,17 @@ class StartReranker:
         if features.shape[1] != self.features:
             raise ValueError(f"the reranker reads {self.features} features, these candidates have "
                              f"{features.shape[1]}")
-        weights, mean, scale = (torch.tensor(v, dtype=torch.float32) for v in (self.weights, self.mean, self.scale))
+        weights, mean, scale, hidden, hidden_bias = self._tensors
         inputs = (features - mean) / scale  # (B, F)
-        if self.hidden is not None:
-            hidden = torch.tensor(self.hidden, dtype=torch.float32)  # (H, F)
-            inputs = torch.nn.functional.gelu(inputs @ hidden.T + torch.tensor(self.hidden_bias))  # (B, H)
+        if hidden is not None:
+            inputs = torch.nn.functional.gelu(inputs @ hidden.T + hidden_bias)  # (B, H)
         return inputs @ weights
+
+    @cached_property
+    def _tensors(self) -> tuple:
+        """weights, mean, scale, hidden (H, F) and its bias as tensors, built once (not on every question)."""
+        return tuple(None if values is None else torch.tensor(values, dtype=torch.float32)
+                     for values in (self.weights, self.mean, self.scale, self.hidden, self.hidden_bias))
 
     def choose(self, question: str, candidates: list[SpanCandidate]) -> int:
         """The index of the chosen candidate."""

@@ -24,10 +24,6 @@ from cprag.train_config import TrainConfig
 BASE = TrainConfig()
 
 
-def head(**change) -> dict:
-    return {"head": {**BASE.head, **change}}
-
-
 def six_blocks(**change) -> dict:
     """The recipe before session 31 (adapters on blocks 24-29 over a cache of blocks 0-23), which the table's
     other rows changed one setting of."""
