@@ -103,8 +103,10 @@ def make_batch(questions: list[TrainQuestion], prompts: dict[str, list[int]], pa
     visible = torch.zeros((b, len(memory), width), dtype=torch.bool)
     lengths = []
     for row, (q, unanswerable, inside) in enumerate(zip(questions, no_answer, in_passage, strict=True)):
-        hidden = answer_sentences(q, passages[q.passage_id].ids, sentences) if unanswerable and inside else None
-        without_gold = unanswerable and hidden is None  # one more distractor in its place
+        hidden = answer_sentences(q, passages[q.passage_id].ids, sentences) \
+            if unanswerable and inside and not q.impossible else None
+        # one more distractor in the gold passage's place; a rewritten question keeps its passage
+        without_gold = unanswerable and hidden is None and not q.impossible
         others = [p for p in memory if p != q.passage_id]
         seen = rng.sample(others, min(distractors + without_gold, len(others)))
         for pid in seen if without_gold else [q.passage_id, *seen]:
@@ -174,8 +176,9 @@ def make_visible_example(q: TrainQuestion, passages: dict[str, PassageTokens], p
                          distractors: int, tokenizer, rng: random.Random, unanswerable: bool,
                          end_weight: float = 1.0) -> VisibleExample:
     others = pool[q.passage_id]
-    chosen = rng.sample(others, min(distractors + unanswerable, len(others)))
-    if not unanswerable:
+    unanswerable = unanswerable or q.impossible
+    chosen = rng.sample(others, min(distractors + (unanswerable and not q.impossible), len(others)))
+    if not unanswerable or q.impossible:
         chosen.insert(rng.randrange(len(chosen) + 1), q.passage_id)
     bodies = [passages[p].ids for p in chosen]
     prompt, spans = visible_prompt_layout(tokenizer, q.question, bodies)

@@ -497,6 +497,9 @@ def train_command(
     no_answer_in_passage: float = typer.Option(TRAIN_DEFAULTS.no_answer_in_passage, "--no-answer-in-passage",
                                                help="Share of those no-answer questions that see their own "
                                                "passage with the answer's sentences hidden."),
+    negatives: Path = typer.Option(None, "--negatives", help="SQuAD 2.0 file of unanswerable questions over the "
+                                   "training file's paragraphs (pipelines/squad_negatives.py writes one): each is "
+                                   "asked with its own passage in memory and trained to stop at once."),
     visible_every: int = typer.Option(TRAIN_DEFAULTS.visible_every, "--visible-every", help="Every N steps also "
                                       "train --visible-batch questions in the visible form (0: never)."),
     visible_batch: int = typer.Option(TRAIN_DEFAULTS.visible_batch, "--visible-batch"),
@@ -529,7 +532,8 @@ def train_command(
                      adapter_lr=adapter_lr, batch_size=batch_size, distractors=distractors, end_weight=end_weight,
                      no_answer_fraction=no_answer_fraction, no_answer_in_passage=no_answer_in_passage,
                      visible_every=visible_every, visible_batch=visible_batch, dtype=dtype, seed=seed, head=head,
-                     init_from=str(init_from) if init_from else None, skip_steps=skip_steps)
+                     init_from=str(init_from) if init_from else None, skip_steps=skip_steps,
+                     negatives=str(negatives) if negatives else None)
     with _progress_bar(as_json) as progress:
         tasks: dict[str, int] = {}
 

@@ -39,6 +39,7 @@ class TrainQuestion:
     span: tuple[int, int]  # inclusive passage-token range of the first reference answer
     answer_ids: list[int]  # those passage tokens
     end_id: int
+    impossible: bool = False  # written so that its own passage does not answer it (cprag.negatives)
 
     @property
     def targets(self) -> list[int]:
@@ -96,6 +97,27 @@ def prepare_examples(tokenizer, data: SquadData, max_answer_tokens: int = 24) ->
             answer_ids=tokens.ids[span[0] : span[1] + 1], end_id=end,
         ))
     return Examples(passages, questions, skipped)
+
+
+def prepare_negatives(tokenizer, data: SquadData, training: SquadData) -> Examples:
+    """The unanswerable questions of a SQuAD 2.0 file (`read_squad(..., unanswerable=True)`) over paragraphs of
+    the training file, as questions that see their own passage and are trained to stop at once. A question whose
+    passage id the training file lacks, or whose paragraph text differs there, is skipped and counted."""
+    end = end_of_turn_id(tokenizer)
+    questions, skipped = [], {}
+    for example in data.examples:
+        if example.answerable:
+            skipped["answerable"] = skipped.get("answerable", 0) + 1
+            continue
+        if training.passages.get(example.passage_id, ("", None))[1] != example.context:
+            skipped["paragraph not in the training file"] = skipped.get("paragraph not in the training file", 0) + 1
+            continue
+        questions.append(TrainQuestion(
+            qid=example.qid, passage_id=example.passage_id, question=example.question,
+            prompt_len=len(prompt_ids(tokenizer, example.question)), span=(0, -1), answer_ids=[], end_id=end,
+            impossible=True,
+        ))
+    return Examples({}, questions, skipped)
 
 
 def activation_cache(model, tokenizer, examples: Examples, data_path: Path, start: int, dtype: str = "bfloat16",

@@ -14,8 +14,9 @@ import torch
 from cprag.adapters import merge
 from cprag.backbone import BaseReference, default_reference
 from cprag.checkpoint import DEFAULT_CHECKPOINT, load_trained_tensors, model_fingerprint, new_cplm
+from cprag.errors import ConfigError
 from cprag.evaluate import sample_examples
-from cprag.features import Examples, activation_cache, prepare_examples
+from cprag.features import Examples, activation_cache, prepare_examples, prepare_negatives
 from cprag.qa_eval import evaluate_oracle, oracle_passage_ids, summarize
 from cprag.squad import SquadData, article_split, read_squad
 from cprag.train import STATE_FILE, TrainData, _article_grouped_order, teacher_forced_validation, train_model
@@ -78,11 +79,34 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | No
     questions = train_examples.questions
     if config.max_questions is not None and config.max_questions < len(questions):
         questions = random.Random(config.seed).sample(questions, config.max_questions)
+    if config.negatives:
+        negatives, more = _negatives(model, tokenizer, config, data, cache, progress("activation cache: negatives"),
+                                     build)
+        trained = {q.passage_id for q in questions}
+        questions = questions + [q for q in negatives.questions if q.passage_id in trained]
+        figures.update({f"negatives/{k.split('/', 1)[1]}": v for k, v in more.items()})
+        figures["negatives/questions"] = sum(q.impossible for q in questions)
     train = TrainData.build(model, tokenizer, train_examples, cache, config.distractors, config.seed, questions)
     validation = TrainData.build(model, tokenizer, validation_examples, validation_cache, config.distractors,
                                  config.seed)
     figures["prepare/seconds"] = round(time.perf_counter() - tick, 1)
     return Prepared(model, tokenizer, train, validation, validation_data, articles, figures)
+
+
+def _negatives(model, tokenizer, config: TrainConfig, data: SquadData, cache, on_progress,
+               build: bool) -> tuple[Examples, dict]:
+    """The unanswerable questions of `config.negatives` over the training file's paragraphs, their prompts
+    cached in an activation cache of their own that `cache` (the training file's) then serves too. Returns them
+    and that cache's build figures."""
+    path = Path(config.negatives)
+    negatives = prepare_negatives(tokenizer, read_squad(path, unanswerable=True), data)
+    if not negatives.questions:
+        raise ConfigError("--negatives", str(path), "holds no unanswerable question over the training file's "
+                          f"paragraphs (skipped: {negatives.skipped})")
+    extra, figures = activation_cache(model, tokenizer, negatives, path, config.cache_layer, config.cache_dtype,
+                                      config.seed, build=build, on_progress=on_progress)
+    cache.include(extra)
+    return negatives, figures
 
 
 def unseen_articles(data_path: str | Path, tokenizer, seen: int, seed: int = 0) -> set[str]:
@@ -176,6 +200,7 @@ def train_checkpoint(
     metrics = summarize(results)
     metrics.update({f"validation/{k}": v for k, v in teacher_forced.items()})
     metrics.update({f"cache/{k.split('/', 1)[1]}": v for k, v in prepared.figures.items() if k.startswith("cache/")})
+    metrics.update({k: v for k, v in prepared.figures.items() if k.startswith("negatives/")})
     metrics.update({
         "train/steps": trained.steps, "train/questions": trained.examples,
         "train/visible_examples": trained.visible_examples, "train/seconds": round(trained.seconds, 1),

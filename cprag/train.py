@@ -264,7 +264,9 @@ def train_model(
             order = _article_grouped_order(questions, rng)
         chosen = [questions[i] for i in order[: config.batch_size]]
         order = order[config.batch_size :]
-        no_answer = [rng.random() < config.no_answer_fraction for _ in chosen]
+        # a rewritten question (--negatives) is unanswerable with its passage; it draws nothing, so runs without
+        # them keep their seeded order
+        no_answer = [q.impossible or rng.random() < config.no_answer_fraction for q in chosen]
         # drawn only when used, so runs without in-passage no-answers keep their seeded order
         in_passage = [u and rng.random() < config.no_answer_in_passage for u in no_answer] \
             if config.no_answer_in_passage else None

@@ -30,6 +30,9 @@ class TrainConfig:
     # share of those no-answer questions that see their own passage with the answer's sentences hidden (plus the
     # usual distractors) instead of distractors alone: passages about the question that do not answer it
     no_answer_in_passage: float = 0.0
+    # a SQuAD 2.0 file of unanswerable questions over the training file's own paragraphs
+    # (pipelines/squad_negatives.py): each is asked with its passage in memory and trained to stop at once
+    negatives: str | None = None
     seed: int = 0
     # validation articles carved from the training file, when no separate validation file is given
     validation_fraction: float = 0.2
