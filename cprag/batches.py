@@ -1,12 +1,13 @@
 """Training batches: which passages each question sees, its targets, and the lexical features of its memory.
 
 Hidden form: a batch of questions shares one set of passages (their gold passages plus same-article extras), each
-question attending only to its own gold passage and `distractors` others, so every passage's keys are computed
-once per batch. A no-answer question sees `distractors + 1` passages without its gold one, or (`in_passage`) its
-gold passage with the answer's sentences hidden plus `distractors` others: the passages are about the question
-but do not hold its answer, as a SQuAD 2.0 unanswerable question is written. Either way its target is to stop at
-once with the copy mass on the sink (see cprag.train). Visible form: one question at a time, its passages
-in the prompt (`visible_prompt_layout`), as visible decoding builds it.
+question attending only to its own gold passage and `distractors` others, so every passage's keys are computed once
+per batch. A no-answer question sees `distractors + 1` passages without its gold one, or (`in_passage`) its gold
+passage with the answer's sentences hidden plus `distractors` others: the passages are about the question but do not
+hold its answer, as a SQuAD 2.0 unanswerable question is written. A rewritten question (`TrainQuestion.impossible`,
+cprag.negatives) sees its whole gold passage plus `distractors` others: the question no longer matches it. Every
+kind's target is to stop at once with the copy mass on the sink (see cprag.train). Visible form: one question at a
+time, its passages in the prompt (`visible_prompt_layout`), as visible decoding builds it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class Batch:
     prev_source: torch.Tensor  # (B, Q) memory entry of the previous answer token, -1 for the first
     gold_entries: torch.Tensor  # (B, Q) the external entry each target is copied from (end: its twin), -1: none
     query_positions: torch.Tensor  # (B, Q) positions that predict the targets
-    no_answer: torch.Tensor  # (B,) bool: the memory lacks the gold passage, or its answer's sentences
+    no_answer: torch.Tensor  # (B,) bool: the memory lacks the gold passage or its answer's sentences, or the
+    # question was rewritten so that its passage does not answer it
     passage_keys: list[str]  # (N) the batch's distinct passages (p/<pid>)
     memory_ids: torch.Tensor  # (N, Tp) [BOS, t_1 .. t_n], right padded
     memory_mask: torch.Tensor  # (N, Tp) bool

@@ -2,11 +2,12 @@
 
 Objective (hidden form): each passage is encoded on its own; the backbone reads the chat-formatted question, then
 the answer as the passage's own tokens, then the end-of-turn token. The loss is the mixture NLL over the answer
-positions and the end (weighted), with the gold passage and distractors in memory and the successor bias
-teacher-forced from the aligned span. No-answer questions (memory without the gold passage) are trained to stop
-at once through the generator: their loss is -log[(1 - g + g·a_sink)·p_gen(end)], so the copy mass goes to the
-sink and nothing is copied. The blocks below `cache_layer` are frozen and read from the activation cache; the
-blocks above it run in every step, and their adapters (when configured) train through the CP and LM losses.
+positions and the end (weighted), with the gold passage and distractors in memory and the successor bias teacher-
+forced from the aligned span. No-answer questions (memory without the gold passage, or rewritten questions with it:
+`--negatives`) are trained to stop at once through the generator: their loss is -log[(1 - g + g·a_sink)·p_gen(end)],
+so the copy mass goes to the sink and nothing is copied. The blocks below `cache_layer` are frozen and read from the
+activation cache; the blocks above it run in every step, and their adapters (when configured) train through the CP
+and LM losses.
 """
 
 from __future__ import annotations
