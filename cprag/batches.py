@@ -178,9 +178,10 @@ def make_visible_example(q: TrainQuestion, passages: dict[str, PassageTokens], p
                          distractors: int, tokenizer, rng: random.Random, unanswerable: bool,
                          end_weight: float = 1.0) -> VisibleExample:
     others = pool[q.passage_id]
+    without_gold = unanswerable and not q.impossible  # one more distractor in its place, as make_batch does
     unanswerable = unanswerable or q.impossible
-    chosen = rng.sample(others, min(distractors + (unanswerable and not q.impossible), len(others)))
-    if not unanswerable or q.impossible:
+    chosen = rng.sample(others, min(distractors + without_gold, len(others)))
+    if not without_gold:
         chosen.insert(rng.randrange(len(chosen) + 1), q.passage_id)
     bodies = [passages[p].ids for p in chosen]
     prompt, spans = visible_prompt_layout(tokenizer, q.question, bodies)
