@@ -803,6 +803,7 @@ def eval_bench_command(
 
     from cprag.api import Index
     from cprag.bench import (
+        batch_identity,
         batch_throughput,
         bench_questions,
         encode_vs_forward,
@@ -858,7 +859,13 @@ def eval_bench_command(
         if batch_questions > 0:
             with err.status(f"batch throughput ({batch_questions} questions at 1, 4, 16, 64 per pass)"):
                 titles = [d.title or d.id for d in chosen]
-                figures.update(batch_throughput(opened, bench_questions(titles, batch_questions)))
+                asked_in_batches = bench_questions(titles, batch_questions)
+                figures.update(batch_throughput(opened, asked_in_batches))
+            with err.status("batching's own effect on answers, in fp32"):
+                exact = opened if next(model.parameters()).dtype == torch.float32 else Index(
+                    index, model=place(load_model(checkpoint)[0], device, torch.float32), tokenizer=tokenizer,
+                    device=device, fingerprint=fingerprint)
+                figures.update(batch_identity(exact, asked_in_batches))
     figures["bench/device"] = opened.device
     figures["bench/dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     if out_dir is not None:

@@ -26,13 +26,11 @@ from cprag.decode_step import (
 )
 from cprag.errors import QuestionTooLong
 from cprag.lexical import (
-    entry_token_types,
     inside_word,
     lexical_features,
+    memory_lexicon,
     question_type,
     question_words,
-    sentence_ids,
-    word_ids,
 )
 from cprag.model import CopyMemory
 from cprag.passage_prior import passage_bias
@@ -302,11 +300,11 @@ def lexical_prior(model, tokenizer, question: str, ids: torch.Tensor) -> torch.T
     """(1, M, F) query-time lexical features of memory entries pasting `ids` (M,), or None without a prior."""
     if not model.config.lexical_prior:
         return None
-    config, tokens = model.config, ids.tolist()
-    sentences = sentence_ids(tokenizer, tokens) if config.lexical_sentences else None
-    types = entry_token_types(tokenizer, tokens, config.lexical_sentence_starts) if config.lexical_types else None
-    return lexical_features(question_words(tokenizer, question), word_ids(tokenizer, tokens),
-                            config.lexical_window_sizes, sentences, question_type(question), types,
+    config = model.config
+    words, sentences, types = memory_lexicon(tokenizer, ids.tolist(), config.lexical_sentence_starts)
+    return lexical_features(question_words(tokenizer, question), words, config.lexical_window_sizes,
+                            sentences if config.lexical_sentences else None, question_type(question),
+                            types if config.lexical_types else None,
                             config.lexical_sentence_starts).unsqueeze(0).to(ids.device)
 
 

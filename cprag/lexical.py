@@ -66,14 +66,24 @@ def word_ids(tokenizer, ids) -> torch.Tensor:
 
     A memory is passages each closed by a special token, which ends any word; so each passage's part is read
     once per process and remembered (a question's memory is mostly passages other questions retrieved)."""
+    out = []
+    for segment in _segments(tokenizer, ids):
+        out.extend(_segment_word_ids(tokenizer, segment))
+    return torch.tensor(out, dtype=torch.long)
+
+
+def _segments(tokenizer, ids) -> list[tuple[int, ...]]:
+    """`ids` cut after every special token: a memory's passages, each with its end entry (the last may be open).
+    Words, sentences and sentence starts never cross a special token, so each piece is read on its own."""
     ids, special = [int(t) for t in ids], _special_ids(tokenizer)
-    out, start = [], 0
+    pieces, start = [], 0
     for index, token in enumerate(ids):
         if token in special:
-            out.extend(_segment_word_ids(tokenizer, tuple(ids[start : index + 1])))
+            pieces.append(tuple(ids[start : index + 1]))
             start = index + 1
-    out.extend(_segment_word_ids(tokenizer, tuple(ids[start:])))
-    return torch.tensor(out, dtype=torch.long)
+    if start < len(ids):
+        pieces.append(tuple(ids[start:]))
+    return pieces
 
 
 @functools.lru_cache(maxsize=4)
@@ -121,13 +131,24 @@ def _sentence_ends(tokenizer) -> frozenset[int]:
 def sentence_ids(tokenizer, ids) -> torch.Tensor:
     """(n,) int64 sentence number of each token, counting from 0: a sentence ends after a token that ends in
     . ! or ? and at special tokens (the end entry of a passage), so passages never share a sentence."""
+    out, offset = [], 0
+    for segment in _segments(tokenizer, ids):  # a passage's numbers are remembered, as its word ids are
+        numbers, count = _segment_sentence_ids(tokenizer, segment)
+        out.extend(offset + n for n in numbers)
+        offset += count
+    return torch.tensor(out, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_sentence_ids(tokenizer, ids: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """Sentence numbers within one segment from 0, and how many sentences it closes."""
     ends = _sentence_ends(tokenizer)
     out, current = [], 0
     for token in ids:
         out.append(current)
-        if int(token) in ends:
+        if token in ends:
             current += 1
-    return torch.tensor(out, dtype=torch.long)
+    return tuple(out), current
 
 
 @functools.lru_cache(maxsize=4)
@@ -189,17 +210,56 @@ def entry_token_types(tokenizer, ids, sentence_starts: bool = False) -> torch.Te
     ids = torch.as_tensor(ids, dtype=torch.long).cpu()
     types = token_type_table(tokenizer)[ids]
     if sentence_starts:
-        pieces, ends = token_pieces(tokenizer), _sentence_ends(tokenizer)
-        opening = True
-        for index, token in enumerate(ids.tolist()):
-            body = pieces[token].lstrip() if 0 <= token < len(pieces) else ""
-            if opening and body[:1].isalnum():
-                if body[0].isupper():
-                    types[index] = TOKEN_TYPES.index("sentence start")
-                opening = False
-            if token in ends:
-                opening = True
+        offset = 0
+        for segment in _segments(tokenizer, ids.tolist()):  # remembered per passage
+            for index in _segment_sentence_starts(tokenizer, segment):
+                types[offset + index] = TOKEN_TYPES.index("sentence start")
+            offset += len(segment)
     return types
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_sentence_starts(tokenizer, ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Positions in one segment of the first token with a letter or digit of each sentence, when a capital."""
+    pieces, ends = token_pieces(tokenizer), _sentence_ends(tokenizer)
+    starts, opening = [], True
+    for index, token in enumerate(ids):
+        body = pieces[token].lstrip() if 0 <= token < len(pieces) else ""
+        if opening and body[:1].isalnum():
+            if body[0].isupper():
+                starts.append(index)
+            opening = False
+        if token in ends:
+            opening = True
+    return tuple(starts)
+
+
+def memory_lexicon(tokenizer, ids, sentence_starts: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`word_ids`, `sentence_ids` and `entry_token_types` of a memory's paste ids (M,) at once, each (M,) int64.
+
+    The three are read from each passage on its own (`_segments`), and a question's memory is mostly passages
+    other questions retrieved: so each passage's three are remembered as tensors, and a memory joins them."""
+    words, sentences, types, offset = [], [], [], 0
+    for segment in _segments(tokenizer, ids):
+        segment_words, segment_sentences, count, segment_types = _segment_lexicon(tokenizer, segment,
+                                                                                  sentence_starts)
+        words.append(segment_words)
+        sentences.append(segment_sentences + offset)
+        types.append(segment_types)
+        offset += count
+    if not words:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty, empty
+    return torch.cat(words), torch.cat(sentences), torch.cat(types)
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_lexicon(tokenizer, ids: tuple[int, ...], sentence_starts: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    numbers, count = _segment_sentence_ids(tokenizer, ids)
+    return (torch.tensor(_segment_word_ids(tokenizer, ids), dtype=torch.long),
+            torch.tensor(numbers, dtype=torch.long), count, entry_token_types(tokenizer, ids, sentence_starts))
 
 
 def type_features(question_kind: int, token_types: torch.Tensor, sentence_starts: bool = False) -> torch.Tensor:

@@ -101,27 +101,43 @@ def _is_plain_llama_block(layer: nn.Module) -> bool:
             and all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm")))
 
 
+def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in one fused op: normalised in fp32, rounded back, then scaled (bit for bit)."""
+    scaled = nn.functional.rms_norm(hidden.to(torch.float32), norm.weight.shape, eps=norm.variance_epsilon)
+    return norm.weight * scaled.to(hidden.dtype)
+
+
 def _packed_block_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                           position_ids: torch.Tensor | None = None, cache=None, use_cache: bool = False,
                           position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
-    """transformers' LlamaDecoderLayer.forward, op for op, on the fused packed weights. (B, T, H) -> (B, T, H)."""
+    """transformers' LlamaDecoderLayer.forward on the fused packed weights, with fewer ops: rotary turns the query
+    and key heads in one go, and attention reads the shared key/value heads in place (`enable_gqa`) rather than
+    repeated. Every op is elementwise the same as transformers', so the outputs are too. (B, T, H) -> (B, T, H)."""
     if torch.is_grad_enabled() or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu":
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
                                   **kwargs)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     weights, attn = self.packed_weights, self.self_attn
-    shape = (*hidden_states.shape[:-1], -1, attn.head_dim)  # (B, T, heads, head_dim)
-    q, k, v = _apply(self.input_layernorm(hidden_states), weights.qkv).split(weights.qkv_sizes, dim=-1)
-    q, k, v = (x.view(shape).transpose(1, 2) for x in (q, k, v))  # (B, heads, T, head_dim)
-    q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+    batch, length = hidden_states.shape[:2]
+    dim = attn.head_dim
+    heads, kv_heads = weights.qkv_sizes[0] // dim, weights.qkv_sizes[1] // dim
+    qkv = _apply(_rms_norm(hidden_states, self.input_layernorm), weights.qkv)
+    qkv = qkv.view(batch, length, heads + 2 * kv_heads, dim)  # (B, T, q heads + k heads + v heads, d)
+    cos, sin = (x.unsqueeze(2) for x in position_embeddings)  # (B, T, 1, d)
+    turned = qkv[:, :, : heads + kv_heads]  # q and k heads
+    half = dim // 2
+    turned = turned * cos + torch.cat((-turned[..., half:], turned[..., :half]), dim=-1) * sin
+    q = turned[:, :, :heads].transpose(1, 2)  # (B, heads, T, d)
+    k, v = turned[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)  # (B, kv, T, d)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)
-    out, _ = sdpa_attention_forward(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling)
-    hidden = hidden_states + _apply(out.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights.o)
-    gate_up = _apply(self.post_attention_layernorm(hidden), weights.gate_up)
+    causal = length > 1 and attention_mask is None  # as transformers' sdpa_attention_forward decides
+    if causal and k.shape[2] > length:
+        k, v = k[:, :, :length], v[:, :, :length]
+    out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=attn.scaling,
+                                                     is_causal=causal, enable_gqa=True)  # (B, heads, T, d)
+    hidden = hidden_states + _apply(out.transpose(1, 2).reshape(batch, length, -1), weights.o)
+    gate_up = _apply(_rms_norm(hidden, self.post_attention_layernorm), weights.gate_up)
     gate, up = gate_up[..., : weights.intermediate], gate_up[..., weights.intermediate :]
     return hidden + _apply(nn.functional.silu(gate) * up, weights.down)
 

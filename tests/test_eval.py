@@ -178,11 +178,25 @@ def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
                 "batch/qps@16_over_qps@1"):
         assert figures[key] > 0
     assert figures["batch/answers_identical"] == 1 and figures["batch/questions"] == 6
+    assert figures["batch/answers_agreeing"] == 6
+    assert figures["batch/answers_identical_float32"] == 1 and figures["batch/answers_agreeing_float32"] == 6
     assert figures["latency/beam4_answers_identical"] == 1  # a start beam as rows answers as one start at a time
     assert figures["latency/beam4_rows@k5_ms"] > 0 and figures["latency/beam4_rows_over_greedy"] > 0
     assert figures["bench/dtype"] == "float32" and figures["bench/device"] == "cpu"
     assert figures["memory/keys_bytes_per_token"] < figures["memory/kv_bytes_per_token"]
     assert 5 < figures["latency/passage_tokens_mean@k5"] < figures["latency/visible_prompt_tokens@k5"]
+
+
+def test_eval_bench_in_bf16_checks_batching_in_fp32_too(tmp_path, checkpoint):
+    """bf16's rounding depends on the batch's shape; the bench repeats the batch check on an fp32 copy."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    bench = CliRunner().invoke(app, ["eval", "bench", "--corpus", str(corpus), "--questions", "1", "--dtype",
+                                     "bfloat16", "--checkpoint", str(checkpoint), "--batch-questions", "6", "--json"])
+    assert bench.exit_code == 0, bench.output
+    figures = json.loads(bench.stdout)
+    assert figures["bench/dtype"] == "bfloat16"
+    assert figures["batch/answers_identical_float32"] == 1 and figures["batch/answers_agreeing_float32"] == 6
+    assert 0 <= figures["batch/answers_agreeing"] <= 6
 
 
 def test_eval_rejects_bad_flags_with_one_line(tmp_path, checkpoint):

@@ -91,6 +91,19 @@ def test_fused_packed_blocks_give_transformers_hidden_states_and_cache_at_decodi
             assert torch.equal(outs[0].last_hidden_state, outs[1].last_hidden_state)
             assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                        for a, b in zip(caches[0].layers, caches[1].layers, strict=True))
+        # a batch's left-padded prompt pass and a step after it: attention under a padding mask
+        prompt = torch.randint(0, VOCAB_SIZE, (3, 14), generator=gen)
+        mask = torch.ones_like(prompt)
+        mask[0, :5], mask[2, :2] = 0, 0
+        step = torch.randint(0, VOCAB_SIZE, (3, 4), generator=gen)
+        outs = []
+        for model in (plain, fused):
+            cache = DynamicCache(config=model.backbone.config)
+            first = model.backbone(input_ids=prompt, attention_mask=mask, cache=cache, use_cache=True)
+            second = model.backbone(input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1),
+                                    cache=cache, use_cache=True)
+            outs.append((first.last_hidden_state, second.last_hidden_state))
+        assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
     ids = torch.randint(0, VOCAB_SIZE, (2, 5), generator=gen)
     with torch.enable_grad():  # autograd runs transformers' own block forward
         fused.backbone(input_ids=ids).last_hidden_state.float().sum().backward()
