@@ -1,0 +1,200 @@
+"""Would a verifier that reads the question beside the answer's sentence tell unanswerable questions apart?
+
+The hidden-mode confidence barely does (SQuAD 2.0 AUC 0.53): the question meets the passage only through one CP
+query per step. This measures the other design: the backbone reads "Context: <the sentence the answer was copied
+from>, Question: <q>" (about 60 tokens, one extra pass per answer), and a logistic probe on its frozen hidden states
+(the last token's, at layers 15, 22 and the final norm) scores whether the sentence answers the question.
+
+The probe is trained on SQuAD v1.1 train only: answerable questions with their answer's sentence against the
+rewritten unanswerable questions of `pipelines/squad_negatives.py` with their original answer's sentence (and,
+with --wrong-sentences, answerable questions beside the paragraph's best-matching other sentence). It is scored
+on an `cprag eval squad2` run's results.jsonl: each prediction's sentence in its passage, read from the SQuAD 2.0
+file. Prints the AUC (answerable above unanswerable) and the share of unanswerable questions withheld at the
+shipped rule (HasAns F1 at most 5 below answering always), for the probe, the confidence, and both ranks summed.
+
+    python pipelines/squad_negatives.py ../shared/data/squad-v1.1-train.json --out negatives.json
+    python eval/abstention/verifier_probe.py ../shared/data/squad-v1.1-train.json negatives.json \\
+        ../shared/data/squad-v2.0-dev-public.json eval/squad2/results.jsonl [--pairs 3000] [--out DIR]
+
+Not a shipped path: the backbone would read one sentence of a document, which hidden mode otherwise never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cprag.checkpoint import load_model
+from cprag.runtime import place, resolve_dtype
+
+SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+STOPWORDS = set("the a an of in on at to for by with from and or is are was were be been what which who whom whose "
+                "when where why how did do does that this these those it its as into than".split())
+LAYERS = (15, 22)  # besides the final norm's output
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for match in SENTENCE_BREAK.finditer(text):
+        spans.append((start, match.start()))
+        start = match.end()
+    return spans + [(start, len(text))]
+
+
+def sentence_at(text: str, offset: int) -> str:
+    return next((text[a:b] for a, b in sentence_spans(text) if a <= offset <= b), text[-300:])
+
+
+def words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOPWORDS and len(w) > 1}
+
+
+def verifier_prompt(sentence: str, question: str) -> str:
+    return f"Context: {sentence}\nQuestion: {question}\nIs the answer in the context?"
+
+
+@torch.inference_mode()
+def probe_features(model, tokenizer, texts: list[str], batch: int = 16) -> np.ndarray:
+    """(N, 3H) the last token's hidden state at LAYERS and after the final norm, shortest texts batched first."""
+    backbone, order = model.backbone, sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    tokenizer.padding_side = "right"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    out, start = [None] * len(texts), time.time()
+    for first in range(0, len(order), batch):
+        chosen = order[first : first + batch]
+        encoded = tokenizer([texts[i] for i in chosen], return_tensors="pt", padding=True, truncation=True,
+                            max_length=256)
+        result = backbone(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                          output_hidden_states=True)
+        last, rows = encoded["attention_mask"].sum(1) - 1, torch.arange(len(chosen))
+        states = [result.hidden_states[layer][rows, last] for layer in LAYERS] + [result.last_hidden_state[rows, last]]
+        for row, i in enumerate(chosen):
+            out[i] = torch.cat([s[row] for s in states]).float()
+        if first % (batch * 100) == 0:
+            print(f"{first}/{len(texts)} pairs read, {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    return torch.stack(out).numpy()
+
+
+def fit_probe(features: np.ndarray, labels: np.ndarray, weight_decay: float = 1e-2):
+    """Standardised L2 logistic regression (LBFGS); returns the scoring function."""
+    x, y = torch.tensor(features), torch.tensor(labels, dtype=torch.float32)
+    mean, scale = x.mean(0), x.std(0) + 1e-4
+    z = (x - mean) / scale
+    weight, bias = torch.zeros(z.shape[1], requires_grad=True), torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], max_iter=300, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ weight + bias, y)
+        loss = loss + weight_decay * (weight * weight).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return lambda f: (((torch.tensor(f) - mean) / scale) @ weight + bias).detach().numpy()
+
+
+def auc(positive: np.ndarray, score: np.ndarray) -> float:
+    ranks = np.empty(len(score))
+    ranks[np.argsort(score, kind="stable")] = np.arange(1, len(score) + 1)
+    n1, n0 = positive.sum(), len(positive) - positive.sum()
+    return float((ranks[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def withheld_at_rule(score: np.ndarray, answerable: np.ndarray, f1: np.ndarray, drop: float = 5.0) -> float:
+    """The largest share of unanswerable questions withheld (score below a threshold) while HasAns F1 stays within
+    `drop` points of answering always."""
+    always, best = f1[answerable].mean(), 0.0
+    for threshold in np.unique(score):
+        withheld = score < threshold
+        if always - np.where(withheld[answerable], 0, f1[answerable]).mean() <= drop:
+            best = max(best, float(withheld[~answerable].mean()))
+    return best
+
+
+def training_pairs(train_file: Path, negatives_file: Path, pairs: int, wrong_sentences: bool, seed: int):
+    rng = random.Random(seed)
+    answerable = [(qa, p["context"]) for a in json.loads(train_file.read_text())["data"] for p in a["paragraphs"]
+                  for qa in p["qas"]]
+    rewritten = [(qa, p["context"]) for a in json.loads(negatives_file.read_text())["data"]
+                 for p in a["paragraphs"] for qa in p["qas"] if qa.get("is_impossible")]
+    rng.shuffle(answerable)
+    rng.shuffle(rewritten)
+    texts, labels = [], []
+    for qa, context in answerable[:pairs]:
+        gold = sentence_at(context, qa["answers"][0]["answer_start"])
+        texts.append(verifier_prompt(gold, qa["question"]))
+        labels.append(1)
+        others = [context[a:b] for a, b in sentence_spans(context) if context[a:b] != gold]
+        if wrong_sentences and others:
+            asked = words(qa["question"])
+            texts.append(verifier_prompt(max(others, key=lambda s: len(asked & words(s))), qa["question"]))
+            labels.append(0)
+    for qa, context in rewritten[:pairs]:
+        texts.append(verifier_prompt(sentence_at(context, qa["plausible_answers"][0]["answer_start"]), qa["question"]))
+        labels.append(0)
+    return texts, np.array(labels)
+
+
+def test_pairs(squad2_file: Path, results_file: Path):
+    data = json.loads(squad2_file.read_text())["data"]
+    contexts = {f'{a["title"]}#{i}': p["context"] for a in data for i, p in enumerate(a["paragraphs"])}
+    rows = [json.loads(line) for line in results_file.read_text().splitlines() if line.strip()]
+    texts = []
+    for row in rows:
+        sentence = None
+        for passage in row["passages"]:
+            found = contexts.get(passage, "").find(row["prediction"]) if row["prediction"] else -1
+            if found >= 0:
+                sentence = sentence_at(contexts[passage], found)
+                break
+        texts.append(verifier_prompt(sentence or contexts.get(row["passages"][0], "")[:300], row["question"]))
+    answerable = np.array([bool(row["references"]) for row in rows])
+    return (texts, answerable, np.array([row["f1"] for row in rows], dtype=float),
+            np.array([row.get("confidence") or 0.0 for row in rows]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("train", type=Path, help="SQuAD v1.1 train JSON")
+    parser.add_argument("negatives", type=Path, help="pipelines/squad_negatives.py output over the same file")
+    parser.add_argument("squad2", type=Path, help="the SQuAD 2.0 file the results were computed on")
+    parser.add_argument("results", type=Path, help="a `cprag eval squad2` run's results.jsonl (hidden mode)")
+    parser.add_argument("--pairs", type=int, default=3000, help="answerable and rewritten questions, each")
+    parser.add_argument("--wrong-sentences", action="store_true", help="also answerable beside a wrong sentence")
+    parser.add_argument("--checkpoint", type=Path, default=None)
+    parser.add_argument("--weight-decay", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write summary.json here")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.checkpoint)
+    model = place(model, "cpu", resolve_dtype("cpu"))
+    texts, labels = training_pairs(args.train, args.negatives, args.pairs, args.wrong_sentences, args.seed)
+    tests, answerable, f1, confidence = test_pairs(args.squad2, args.results)
+    features = probe_features(model, tokenizer, texts + tests)
+    probe = fit_probe(features[: len(texts)], labels, args.weight_decay)
+    score = probe(features[len(texts) :])
+    both = np.argsort(np.argsort(score)) + np.argsort(np.argsort(confidence))
+    summary = {"verifier/train_pairs": len(texts), "verifier/test_questions": len(tests),
+               "verifier/test_unanswerable": int((~answerable).sum()),
+               "verifier/train_auc": round(auc(labels == 1, probe(features[: len(texts)])), 3)}
+    for name, values in (("probe", score), ("confidence", confidence), ("probe+confidence", both)):
+        summary[f"verifier/{name}/auc"] = round(auc(answerable, values), 3)
+        summary[f"verifier/{name}/noans_at_rule"] = round(withheld_at_rule(values, answerable, f1), 3)
+    print(json.dumps(summary, indent=2))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
