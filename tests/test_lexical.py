@@ -107,3 +107,21 @@ def test_sentence_starts_are_their_own_token_type_only_when_asked(tokenizer):
     assert {TOKEN_TYPES[k] for k in starts[changed].tolist()} == {"sentence start"}
     assert "sentence start" not in {TOKEN_TYPES[k] for k in plain.tolist()}
     assert feature_count([3], False, True, True) - feature_count([3], False, True) == 8  # one type x 8 kinds
+
+
+def test_a_memorys_lexicon_is_its_passages_read_alone_and_joined(tokenizer):
+    """`memory_lexicon` remembers each passage's words, sentences and token types; joined, they are what reading
+    the whole memory at once gives (sentence numbers run on across passages, a sentence start follows an end)."""
+    from cprag.lexical import _segment_lexicon, entry_token_types, memory_lexicon
+
+    first = tokenizer("Keeper Margit lit it. The lamp<|im_end|>", add_special_tokens=False)["input_ids"]
+    second = tokenizer("Ships came. In 1871 the keeper<|im_end|>", add_special_tokens=False)["input_ids"]
+    open_tail = tokenizer("Then fog", add_special_tokens=False)["input_ids"]
+    for memory in (first + second + open_tail, second + first, open_tail, []):
+        words, sentences, types = memory_lexicon(tokenizer, memory, sentence_starts=True)
+        assert torch.equal(words, word_ids(tokenizer, memory)) and len(words) == len(memory)
+        assert torch.equal(sentences, sentence_ids(tokenizer, memory))
+        assert torch.equal(types, entry_token_types(tokenizer, memory, sentence_starts=True))
+    numbers = memory_lexicon(tokenizer, first + second)[1].tolist()
+    assert numbers[len(first)] == numbers[len(first) - 1] + 1  # the second passage opens a new sentence
+    assert _segment_lexicon.cache_info().hits > 0  # passages asked again were not read again
