@@ -131,24 +131,13 @@ def _sentence_ends(tokenizer) -> frozenset[int]:
 def sentence_ids(tokenizer, ids) -> torch.Tensor:
     """(n,) int64 sentence number of each token, counting from 0: a sentence ends after a token that ends in
     . ! or ? and at special tokens (the end entry of a passage), so passages never share a sentence."""
-    out, offset = [], 0
-    for segment in _segments(tokenizer, ids):  # a passage's numbers are remembered, as its word ids are
-        numbers, count = _segment_sentence_ids(tokenizer, segment)
-        out.extend(offset + n for n in numbers)
-        offset += count
-    return torch.tensor(out, dtype=torch.long)
-
-
-@functools.lru_cache(maxsize=4096)
-def _segment_sentence_ids(tokenizer, ids: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """Sentence numbers within one segment from 0, and how many sentences it closes."""
     ends = _sentence_ends(tokenizer)
     out, current = [], 0
     for token in ids:
         out.append(current)
-        if token in ends:
+        if int(token) in ends:
             current += 1
-    return tuple(out), current
+    return torch.tensor(out, dtype=torch.long)
 
 
 @functools.lru_cache(maxsize=4)
@@ -210,28 +199,17 @@ def entry_token_types(tokenizer, ids, sentence_starts: bool = False) -> torch.Te
     ids = torch.as_tensor(ids, dtype=torch.long).cpu()
     types = token_type_table(tokenizer)[ids]
     if sentence_starts:
-        offset = 0
-        for segment in _segments(tokenizer, ids.tolist()):  # remembered per passage
-            for index in _segment_sentence_starts(tokenizer, segment):
-                types[offset + index] = TOKEN_TYPES.index("sentence start")
-            offset += len(segment)
+        pieces, ends = token_pieces(tokenizer), _sentence_ends(tokenizer)
+        opening = True
+        for index, token in enumerate(ids.tolist()):
+            body = pieces[token].lstrip() if 0 <= token < len(pieces) else ""
+            if opening and body[:1].isalnum():
+                if body[0].isupper():
+                    types[index] = TOKEN_TYPES.index("sentence start")
+                opening = False
+            if token in ends:
+                opening = True
     return types
-
-
-@functools.lru_cache(maxsize=4096)
-def _segment_sentence_starts(tokenizer, ids: tuple[int, ...]) -> tuple[int, ...]:
-    """Positions in one segment of the first token with a letter or digit of each sentence, when a capital."""
-    pieces, ends = token_pieces(tokenizer), _sentence_ends(tokenizer)
-    starts, opening = [], True
-    for index, token in enumerate(ids):
-        body = pieces[token].lstrip() if 0 <= token < len(pieces) else ""
-        if opening and body[:1].isalnum():
-            if body[0].isupper():
-                starts.append(index)
-            opening = False
-        if token in ends:
-            opening = True
-    return tuple(starts)
 
 
 def memory_lexicon(tokenizer, ids, sentence_starts: bool = False
@@ -242,12 +220,12 @@ def memory_lexicon(tokenizer, ids, sentence_starts: bool = False
     other questions retrieved: so each passage's three are remembered as tensors, and a memory joins them."""
     words, sentences, types, offset = [], [], [], 0
     for segment in _segments(tokenizer, ids):
-        segment_words, segment_sentences, count, segment_types = _segment_lexicon(tokenizer, segment,
-                                                                                  sentence_starts)
+        segment_words, segment_sentences, segment_types = _segment_lexicon(tokenizer, segment, sentence_starts)
         words.append(segment_words)
         sentences.append(segment_sentences + offset)
         types.append(segment_types)
-        offset += count
+        # a segment closes at a special token, which ends a sentence: the next one starts a new number
+        offset += int(segment_sentences[-1]) + 1
     if not words:
         empty = torch.zeros(0, dtype=torch.long)
         return empty, empty, empty
@@ -256,10 +234,9 @@ def memory_lexicon(tokenizer, ids, sentence_starts: bool = False
 
 @functools.lru_cache(maxsize=4096)
 def _segment_lexicon(tokenizer, ids: tuple[int, ...], sentence_starts: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    numbers, count = _segment_sentence_ids(tokenizer, ids)
-    return (torch.tensor(_segment_word_ids(tokenizer, ids), dtype=torch.long),
-            torch.tensor(numbers, dtype=torch.long), count, entry_token_types(tokenizer, ids, sentence_starts))
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.tensor(_segment_word_ids(tokenizer, ids), dtype=torch.long), sentence_ids(tokenizer, ids),
+            entry_token_types(tokenizer, ids, sentence_starts))
 
 
 def type_features(question_kind: int, token_types: torch.Tensor, sentence_starts: bool = False) -> torch.Tensor:
