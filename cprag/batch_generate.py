@@ -11,7 +11,8 @@ words, drafting): the same choices at every step, from the same mixture. A row t
 passage's next tokens, as the single-question decoder does, and the pass checks every row's draft at once: rows
 feed drafts of different lengths, right padded to the longest. What a row did not keep (rejected drafts and its
 padding) is rolled to the front of its cache row and masked, so each row's kept positions stay contiguous at the
-right, as the left-padded prompt started them. With a start beam of B, a question is B rows: row r starts from
+right, as the left-padded prompt started them; the roll waits for the next pass, so rows that finished (and a
+batch's last pass) skip it. With a start beam of B, a question is B rows: row r starts from
 the r-th most probable first token (as `generate` orders them) and decodes greedily from there, and the question's
 answer is the one its reranker (or, without one, the likeliest) picks, so B alternatives cost one batch's passes
 rather than B passes each. A model with a query refiner (whose window would read the padding) is decoded one
@@ -209,14 +210,26 @@ class _Running:
     sizes: list[int]  # each row's memory entries (the rest of the padded memory is masked)
     next_position: torch.Tensor  # (B, 1)
     live: list[int]  # the question each row decodes
+    # (B, 1) each row's last positions that the last pass did not keep (rejected drafts, padding), still in the
+    # context: rolled out by `settled` only before a pass reads it, so rows that finished are never rolled
+    unused: torch.Tensor | None = None
+
+    def settled(self) -> _Running:
+        """The rows with their unused positions rolled to the front and masked (`_drop_unused`)."""
+        if self.unused is not None:
+            self.context, self.unused = _drop_unused(self.context, self.unused), None
+        return self
 
     def select(self, keep: list[int]) -> _Running:
         """Only the rows `keep` (their order kept)."""
         context, memory, next_position = _select(self.context, self.memory, self.next_position, keep)
-        return _Running(context, memory, [self.sizes[j] for j in keep], next_position, [self.live[j] for j in keep])
+        unused = None if self.unused is None else self.unused[torch.tensor(keep, device=self.unused.device)]
+        return _Running(context, memory, [self.sizes[j] for j in keep], next_position, [self.live[j] for j in keep],
+                        unused)
 
     def joined(self, other: _Running) -> _Running:
         """This batch's rows, then `other`'s: contexts left padded (masked) to one width, memories right padded."""
+        self.settled(), other.settled()
         width = max(self.context.length, other.context.length)
         a, b = _left_padded(self.context, width), _left_padded(other.context, width)
         context = ContextState(keys=torch.cat([a.keys, b.keys]), ids=torch.cat([a.ids, b.ids]),
@@ -295,10 +308,11 @@ def _start(setup, numbers: list[int]) -> _Running:
             token = others[row.rank - 1]
         _emit(row, token, copied_source(step, token, view), step)
         row.done = len(row.tokens) >= max_new_tokens
-    context = out.context if unused is None else _drop_unused(out.context, unused)
+    context = out.context
     if len(rows) < len(numbers):  # every row its own copy of its question's state, to decode on from
         context, memory, next_position = _select(context, memory, next_position, source)
-    return _Running(context, memory, [sizes[i] for i in source], next_position, list(numbers))
+        unused = None if unused is None else unused[torch.tensor(source, device=device)]
+    return _Running(context, memory, [sizes[i] for i in source], next_position, list(numbers), unused)
 
 
 def _step(setup, running: _Running, draft_tokens: int) -> None:
@@ -318,16 +332,23 @@ def _step(setup, running: _Running, draft_tokens: int) -> None:
         fed[j, : 1 + len(draft)] = 1
         previous[j, : 1 + len(draft)] = torch.tensor([-1 if row.entry is None else row.entry] + draft)
     feed, fed, previous = feed.to(device), fed.to(device), previous.to(device)
+    running.settled()
     out = setup.model(feed, fed, memory=running.memory, context=running.context, use_cache=True,
                       prev_source=previous, position_ids=running.next_position + torch.arange(width, device=device))
+    # every row's and position's greedy token in one op (argmax takes the first of equal maxima either way), where
+    # no end bias reweighs the stops first
+    greedy = out.log_probs.argmax(-1).tolist() if setup.end_bias == 0 else None  # (B, T)
     used = []
     for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
         view = _row_memory(running.memory, running.sizes, j)
-        kept = _keep_draft(rows[i], draft, out, j, view, setup.stop, setup.end_bias)
-        _choose(rows[i], _row_step(out, j, kept), view, setup.stop, max_new_tokens, setup.end_bias)
+        best = None if greedy is None else greedy[j]
+        kept = _keep_draft(rows[i], draft, out, j, view, setup.stop, setup.end_bias, best)
+        _choose(rows[i], _row_step(out, j, kept), view, setup.stop, max_new_tokens, setup.end_bias,
+                None if best is None else best[kept])
         used.append(1 + kept)
     used = torch.tensor(used, device=device).unsqueeze(1)  # (B, 1) positions each row keeps
-    running.context, running.next_position = _drop_unused(out.context, width - used), running.next_position + used
+    running.context, running.next_position = out.context, running.next_position + used
+    running.unused = width - used
 
 
 def _left_padded(context: ContextState, width: int) -> ContextState:
@@ -432,13 +453,15 @@ def _row_step(out, i: int, position: int) -> Step:
     return Step(out.log_probs[i, position], out.log_gate[i, position], out.copy_log_attention[i, position])
 
 
-def _keep_draft(row: _Row, draft: list[int], out, j: int, view, stop: set[int], end_bias: float) -> int:
-    """How many of the row's drafted entries greedy decoding would have copied, one by one: each is emitted."""
+def _keep_draft(row: _Row, draft: list[int], out, j: int, view, stop: set[int], end_bias: float,
+                greedy: list[int] | None = None) -> int:
+    """How many of the row's drafted entries greedy decoding would have copied, one by one: each is emitted.
+    `greedy[t]`: the best token at the row's position t, when already known."""
     kept = 0
     for drafted in draft:
         step = _row_step(out, j, kept)
         if not _word_goes_on(row, drafted):  # a word's continuation is copied anyway
-            guess = int(with_end_bias(step, stop, end_bias).log_probs.argmax())
+            guess = greedy[kept] if greedy is not None else int(with_end_bias(step, stop, end_bias).log_probs.argmax())
             if guess != row.memory_ids[drafted] or guess in stop or copied_source(step, guess, view) != drafted:
                 break
         _emit(row, row.memory_ids[drafted], drafted, step)
@@ -475,8 +498,10 @@ def _word_goes_on(row: _Row, entry: int | None) -> bool:
             and bool(row.continues[entry]) and row.owner[entry] == row.owner[entry - 1])
 
 
-def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int, end_bias: float) -> None:
-    """The row's next token at `step`: a forced word continuation, the end, or the mixture's best token."""
+def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int, end_bias: float,
+            greedy: int | None = None) -> None:
+    """The row's next token at `step`: a forced word continuation, the end, or the mixture's best token (`greedy`,
+    when already known)."""
     if len(row.tokens) >= max_new_tokens:
         row.done = True
         return
@@ -484,7 +509,7 @@ def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int, en
         entry = row.entry + 1
         _emit(row, int(view.ids[0, entry]), entry, step)
     else:
-        token = int(with_end_bias(step, stop, end_bias).log_probs.argmax())
+        token = greedy if greedy is not None else int(with_end_bias(step, stop, end_bias).log_probs.argmax())
         if token in stop:
             row.end_log_prob = float(step.log_probs[token])
             row.done = True
