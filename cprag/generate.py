@@ -301,7 +301,7 @@ def lexical_prior(model, tokenizer, question: str, ids: torch.Tensor) -> torch.T
     if not model.config.lexical_prior:
         return None
     config = model.config
-    words, sentences, types = memory_lexicon(tokenizer, ids.tolist(), config.lexical_sentence_starts)
+    words, sentences, types = memory_lexicon(tokenizer, ids, config.lexical_sentence_starts)
     return lexical_features(question_words(tokenizer, question), words, config.lexical_window_sizes,
                             sentences if config.lexical_sentences else None, question_type(question),
                             types if config.lexical_types else None,

@@ -17,6 +17,7 @@ Per memory entry (pasting token x_m):
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 
 import torch
@@ -75,20 +76,25 @@ def word_ids(tokenizer, ids) -> torch.Tensor:
 def _segments(tokenizer, ids) -> list[tuple[int, ...]]:
     """`ids` cut after every special token: a memory's passages, each with its end entry (the last may be open).
     Words, sentences and sentence starts never cross a special token, so each piece is read on its own."""
-    ids, special = [int(t) for t in ids], _special_ids(tokenizer)
-    pieces, start = [], 0
-    for index, token in enumerate(ids):
-        if token in special:
-            pieces.append(tuple(ids[start : index + 1]))
-            start = index + 1
-    if start < len(ids):
-        pieces.append(tuple(ids[start:]))
-    return pieces
+    if isinstance(ids, torch.Tensor):  # the cuts found by one op rather than a Python loop over every id
+        ids = ids.cpu()
+        cuts = (torch.isin(ids, _special_tensor(tokenizer)).nonzero().flatten() + 1).tolist()
+        ids = ids.tolist()
+    else:
+        ids, special = [int(t) for t in ids], _special_ids(tokenizer)
+        cuts = [index + 1 for index, token in enumerate(ids) if token in special]
+    bounds = sorted({0, *cuts, len(ids)})
+    return [tuple(ids[start:end]) for start, end in itertools.pairwise(bounds)]
 
 
 @functools.lru_cache(maxsize=4)
 def _special_ids(tokenizer) -> frozenset[int]:
     return frozenset(tokenizer.all_special_ids)
+
+
+@functools.lru_cache(maxsize=4)
+def _special_tensor(tokenizer) -> torch.Tensor:
+    return torch.tensor(sorted(_special_ids(tokenizer)), dtype=torch.long)
 
 
 @functools.lru_cache(maxsize=4096)  # passages: a few hundred tokens each

@@ -45,14 +45,18 @@ class CopyLogProbs:
     log_a_sink: torch.Tensor  # (...)
 
 
-def gate_log_probs(lm_logits: torch.Tensor, copy_logit: torch.Tensor) -> GateLogProbs:
-    """Split the (V+1)-way LM head softmax into the gate and the generator distribution."""
+def gate_log_probs(lm_logits: torch.Tensor, copy_logit: torch.Tensor, in_place: bool = False) -> GateLogProbs:
+    """Split the (V+1)-way LM head softmax into the gate and the generator distribution.
+
+    `in_place`: `lm_logits` becomes log_p_gen (same values): at inference a fresh (..., V) buffer per step is a
+    measurable share of a batch's step, most of it the memory's first touch."""
     lse_vocab = torch.logsumexp(lm_logits, dim=-1)  # (...)
     lse_all = torch.logaddexp(lse_vocab, copy_logit)  # (...)
+    shift = lse_vocab.unsqueeze(-1)
     return GateLogProbs(
         log_g=copy_logit - lse_all,
         log_1mg=lse_vocab - lse_all,
-        log_p_gen=lm_logits - lse_vocab.unsqueeze(-1),
+        log_p_gen=lm_logits.sub_(shift) if in_place else lm_logits - shift,
     )
 
 
@@ -118,12 +122,14 @@ def generator_weight_log(gate: GateLogProbs, copy: CopyLogProbs) -> torch.Tensor
     return torch.logaddexp(gate.log_1mg, gate.log_g + copy.log_a_sink)
 
 
-def mixture_log_probs(gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor) -> torch.Tensor:
+def mixture_log_probs(gate: GateLogProbs, copy: CopyLogProbs, copy_ids: torch.Tensor, in_place: bool = False
+                      ) -> torch.Tensor:
     """Full mixture log p(x) over the vocabulary. copy_ids: (..., M) or (M,), the token each entry pastes.
 
-    Returns (..., V).
+    Returns (..., V); with `in_place`, in gate.log_p_gen's buffer (same values, no fresh (..., V) tensor).
     """
-    generated = generator_weight_log(gate, copy).unsqueeze(-1) + gate.log_p_gen  # (..., V)
+    weight = generator_weight_log(gate, copy).unsqueeze(-1)  # (..., 1)
+    generated = gate.log_p_gen.add_(weight) if in_place else weight + gate.log_p_gen  # (..., V)
     # only the M tokens in memory get copy mass: mix at those, and leave every other token's generated value (a
     # vocabulary-wide logaddexp with -inf would give the same numbers, at several passes over (..., V) per step)
     index = copy_ids.expand_as(copy.log_a)  # (..., M)

@@ -577,7 +577,8 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             gate = gate_log_probs_from_stats(lm_stats[0], copy_logit)
             log_p_gen_target = lm_stats[1] - lm_stats[0]
         else:
-            gate = gate_log_probs(self.lm_logits(hidden), copy_logit)
+            # at inference the logits' buffer is reused for log_p_gen, then for the mixture (nothing else reads it)
+            gate = gate_log_probs(self.lm_logits(hidden), copy_logit, in_place=not torch.is_grad_enabled())
         loss = target_log_probs = None
         if targets is not None:
             weights = (targets != -100).to(hidden.dtype)
@@ -587,7 +588,8 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
                                                         log_p_gen_target)
             loss = -(target_log_probs * weights).sum() / weights.sum().clamp(min=1e-9)
         wants_log_probs = return_log_probs and lm_stats is None
-        log_probs = mixture_log_probs(gate, copy, ids_for_positions) if wants_log_probs else None
+        log_probs = (mixture_log_probs(gate, copy, ids_for_positions, in_place=not torch.is_grad_enabled())
+                     if wants_log_probs else None)
         return CPLMOutput(
             loss=loss, log_probs=log_probs, log_gate=gate.log_g, copy_log_attention=copy.log_a,
             sink_log_attention=copy.log_a_sink, generator_log_weight=generator_weight_log(gate, copy),
