@@ -16,6 +16,10 @@ shipped rule (HasAns F1 at most 5 below answering always), for the probe, the co
     python eval/abstention/verifier_probe.py ../shared/data/squad-v1.1-train.json negatives.json \\
         ../shared/data/squad-v2.0-dev-public.json eval/squad2/results.jsonl [--pairs 3000] [--out DIR]
 
+With --crossfit-folds N, probes are also fitted on the SQuAD 2.0 results themselves, whose unanswerable questions
+are human-written: each question is scored by a probe fitted on the other folds' articles (out of fold), alone and
+with the rewrite pairs added.
+
 Not a shipped path: the backbone would read one sentence of a document, which hidden mode otherwise never does.
 """
 
@@ -162,6 +166,29 @@ def test_pairs(squad2_file: Path, results_file: Path):
             np.array([row.get("confidence") or 0.0 for row in rows]))
 
 
+def article_folds(squad2_file: Path, results_file: Path, folds: int) -> np.ndarray:
+    """(N,) the fold of each result row: whole articles, sorted by title and dealt round-robin into `folds`."""
+    data = json.loads(squad2_file.read_text())["data"]
+    title = {qa["id"]: a["title"] for a in data for p in a["paragraphs"] for qa in p["qas"]}
+    rows = [json.loads(line) for line in results_file.read_text().splitlines() if line.strip()]
+    names = sorted({title[row["qid"]] for row in rows})
+    return np.array([names.index(title[row["qid"]]) % folds for row in rows])
+
+
+def out_of_fold(features: np.ndarray, labels: np.ndarray, fold: np.ndarray, weight_decay: float,
+                extra: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Each row scored by a probe fitted on the other folds' rows (plus `extra` pairs, when given)."""
+    score = np.zeros(len(labels))
+    for k in np.unique(fold):
+        held = fold == k
+        x, y = features[~held], labels[~held]
+        if extra is not None:
+            x, y = np.concatenate([x, extra[0]]), np.concatenate([y, extra[1]])
+        score[held] = fit_probe(x.astype(np.float32), y.astype(np.float32), weight_decay)(
+            features[held].astype(np.float32))
+    return score
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("train", type=Path, help="SQuAD v1.1 train JSON")
@@ -174,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-decay", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write summary.json here")
+    parser.add_argument("--crossfit-folds", type=int, default=0,
+                        help="also probes fitted on the SQuAD 2.0 results themselves (their human-written "
+                             "unanswerable questions), scored out of fold over this many folds of whole articles")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.checkpoint)
     model = place(model, "cpu", resolve_dtype("cpu"))
@@ -186,7 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"verifier/train_pairs": len(texts), "verifier/test_questions": len(tests),
                "verifier/test_unanswerable": int((~answerable).sum()),
                "verifier/train_auc": round(auc(labels == 1, probe(features[: len(texts)])), 3)}
-    for name, values in (("probe", score), ("confidence", confidence), ("probe+confidence", both)):
+    scores = {"probe": score, "confidence": confidence, "probe+confidence": both}
+    if args.crossfit_folds > 1:
+        fold = article_folds(args.squad2, args.results, args.crossfit_folds)
+        tested = features[len(texts) :]
+        scores["crossfit"] = out_of_fold(tested, answerable.astype(float), fold, args.weight_decay)
+        scores["crossfit+rewrites"] = out_of_fold(tested, answerable.astype(float), fold, args.weight_decay,
+                                                  (features[: len(texts)], labels.astype(float)))
+        summary["verifier/crossfit_folds"] = args.crossfit_folds
+    for name, values in scores.items():
         summary[f"verifier/{name}/auc"] = round(auc(answerable, values), 3)
         summary[f"verifier/{name}/noans_at_rule"] = round(withheld_at_rule(values, answerable, f1), 3)
     print(json.dumps(summary, indent=2))
