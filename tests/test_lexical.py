@@ -122,6 +122,9 @@ def test_a_memorys_lexicon_is_its_passages_read_alone_and_joined(tokenizer):
         assert torch.equal(words, word_ids(tokenizer, memory)) and len(words) == len(memory)
         assert torch.equal(sentences, sentence_ids(tokenizer, memory))
         assert torch.equal(types, entry_token_types(tokenizer, memory, sentence_starts=True))
+        # a memory's ids as a tensor (what decoding hands over) are cut into the same passages
+        as_tensor = memory_lexicon(tokenizer, torch.tensor(memory, dtype=torch.long), sentence_starts=True)
+        assert all(torch.equal(a, b) for a, b in zip(as_tensor, (words, sentences, types), strict=True))
     numbers = memory_lexicon(tokenizer, first + second)[1].tolist()
     assert numbers[len(first)] == numbers[len(first) - 1] + 1  # the second passage opens a new sentence
     assert _segment_lexicon.cache_info().hits > 0  # passages asked again were not read again

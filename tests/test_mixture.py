@@ -128,3 +128,16 @@ def test_mixing_only_at_memory_tokens_is_bit_for_bit_the_vocabulary_wide_mixture
 def test_dense_ranks_number_each_rows_distinct_ids_from_zero():
     index = torch.tensor([[50, 7, 50, 9, 7], [3, 3, 3, 3, 3]])
     assert dense_ranks(index).tolist() == [[2, 0, 2, 1, 0], [0, 0, 0, 0, 0]]
+
+
+def test_in_place_mixture_reuses_the_logits_buffer_with_the_same_values():
+    """At inference the LM logits' buffer becomes log p_gen and then the mixture: bit for bit the fresh-tensor
+    results, and no new (..., V) tensor."""
+    lm, copy_logit, scores, sink, ids, mask = random_case(seed=3)
+    copy = copy_log_probs(scores, sink, mask)
+    fresh = mixture_log_probs(gate_log_probs(lm, copy_logit), copy, ids)
+    buffer = lm.clone()
+    gate = gate_log_probs(buffer, copy_logit, in_place=True)
+    assert gate.log_p_gen.data_ptr() == buffer.data_ptr()
+    mixed = mixture_log_probs(gate, copy, ids, in_place=True)
+    assert mixed.data_ptr() == buffer.data_ptr() and torch.equal(mixed, fresh)
