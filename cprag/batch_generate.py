@@ -229,7 +229,8 @@ class _Running:
 
     def joined(self, other: _Running) -> _Running:
         """This batch's rows, then `other`'s: contexts left padded (masked) to one width, memories right padded."""
-        self.settled(), other.settled()
+        self.settled()
+        other.settled()
         width = max(self.context.length, other.context.length)
         a, b = _left_padded(self.context, width), _left_padded(other.context, width)
         context = ContextState(keys=torch.cat([a.keys, b.keys]), ids=torch.cat([a.ids, b.ids]),
