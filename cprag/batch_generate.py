@@ -42,7 +42,6 @@ from cprag.generate import (
     shared_memory,
     span_candidates,
     step_entry_ids,
-    with_end_bias,
     without_stops,
 )
 from cprag.lexical import inside_word
@@ -292,7 +291,7 @@ def _start(setup, numbers: list[int]) -> _Running:
         row.prior = rows[i].prior
         step, view = _row_step(out, i, -1), _row_memory(memory, sizes, i)
         if view is None:  # no passages: the first token may be the end, as in `generate`
-            _choose(row, step, None, stop, max_new_tokens, setup.end_bias)
+            _choose(row, step, None, stop, max_new_tokens, _greedy_tokens(step.log_probs, stop, setup.end_bias))
             continue
         # an answer from the passages, or none at all: never an empty one
         row.stop_probability = float(step.log_probs[sorted(stop)].exp().sum())
@@ -336,16 +335,12 @@ def _step(setup, running: _Running, draft_tokens: int) -> None:
     running.settled()
     out = setup.model(feed, fed, memory=running.memory, context=running.context, use_cache=True,
                       prev_source=previous, position_ids=running.next_position + torch.arange(width, device=device))
-    # every row's and position's greedy token in one op (argmax takes the first of equal maxima either way), where
-    # no end bias reweighs the stops first
-    greedy = out.log_probs.argmax(-1).tolist() if setup.end_bias == 0 else None  # (B, T)
+    greedy = _greedy_tokens(out.log_probs, setup.stop, setup.end_bias)  # (B, T)
     used = []
     for j, (i, draft) in enumerate(zip(live, drafts, strict=True)):
         view = _row_memory(running.memory, running.sizes, j)
-        best = None if greedy is None else greedy[j]
-        kept = _keep_draft(rows[i], draft, out, j, view, setup.stop, setup.end_bias, best)
-        _choose(rows[i], _row_step(out, j, kept), view, setup.stop, max_new_tokens, setup.end_bias,
-                None if best is None else best[kept])
+        kept = _keep_draft(rows[i], draft, out, j, view, setup.stop, greedy[j])
+        _choose(rows[i], _row_step(out, j, kept), view, setup.stop, max_new_tokens, greedy[j][kept])
         used.append(1 + kept)
     used = torch.tensor(used, device=device).unsqueeze(1)  # (B, 1) positions each row keeps
     running.context, running.next_position = out.context, running.next_position + used
@@ -454,15 +449,23 @@ def _row_step(out, i: int, position: int) -> Step:
     return Step(out.log_probs[i, position], out.log_gate[i, position], out.copy_log_attention[i, position])
 
 
-def _keep_draft(row: _Row, draft: list[int], out, j: int, view, stop: set[int], end_bias: float,
-                greedy: list[int] | None = None) -> int:
+def _greedy_tokens(log_probs: torch.Tensor, stop: set[int], end_bias: float):
+    """The token greedy decoding picks from log_probs (..., V) at every row and position, in one argmax, weighed as
+    `with_end_bias` weighs one step (the bias added to the stop tokens): nested lists (...) of token ids."""
+    if end_bias != 0 and stop:
+        barred = torch.tensor(sorted(stop), device=log_probs.device)
+        log_probs = log_probs.index_add(-1, barred, log_probs.new_full((*log_probs.shape[:-1], len(barred)), end_bias))
+    return log_probs.argmax(-1).tolist()
+
+
+def _keep_draft(row: _Row, draft: list[int], out, j: int, view, stop: set[int], greedy: list[int]) -> int:
     """How many of the row's drafted entries greedy decoding would have copied, one by one: each is emitted.
-    `greedy[t]`: the best token at the row's position t, when already known."""
+    `greedy[t]`: the row's greedy token at position t of the pass (`_greedy_tokens`)."""
     kept = 0
     for drafted in draft:
         step = _row_step(out, j, kept)
         if not _word_goes_on(row, drafted):  # a word's continuation is copied anyway
-            guess = greedy[kept] if greedy is not None else int(with_end_bias(step, stop, end_bias).log_probs.argmax())
+            guess = greedy[kept]
             if guess != row.memory_ids[drafted] or guess in stop or copied_source(step, guess, view) != drafted:
                 break
         _emit(row, row.memory_ids[drafted], drafted, step)
@@ -512,10 +515,9 @@ def _word_goes_on(row: _Row, entry: int | None) -> bool:
             and bool(row.continues[entry]) and row.owner[entry] == row.owner[entry - 1])
 
 
-def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int, end_bias: float,
-            greedy: int | None = None) -> None:
-    """The row's next token at `step`: a forced word continuation, the end, or the mixture's best token (`greedy`,
-    when already known)."""
+def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int, greedy: int) -> None:
+    """The row's next token at `step`: a forced word continuation, the end, or `greedy`, the mixture's best token
+    as greedy decoding weighs it (`_greedy_tokens`)."""
     if len(row.tokens) >= max_new_tokens:
         row.done = True
         return
@@ -523,7 +525,7 @@ def _choose(row: _Row, step: Step, view, stop: set[int], max_new_tokens: int, en
         entry = row.entry + 1
         _emit(row, int(view.ids[0, entry]), entry, step)
     else:
-        token = greedy if greedy is not None else int(with_end_bias(step, stop, end_bias).log_probs.argmax())
+        token = greedy
         if token in stop:
             row.end_log_prob = float(step.log_probs[token])
             row.done = True

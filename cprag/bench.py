@@ -159,7 +159,7 @@ def batch_throughput(index, questions: list[str], k: int = 5, sizes=(1, 4, 16, 6
     Each figure is the median of `rounds` rounds, the sizes alternating within a round, so a slow spell of a
     shared machine lands on every size rather than on one side of a ratio."""
     k = min(k, len(index))
-    options = dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0, start_beam=1)
+    options = _greedy_asks(k, max_new_tokens)
     index.ask_many(questions, batch_size=max(sizes), **options)  # warm: every shard cached, every op traced
     figures, answers = {"batch/questions": len(questions), "batch/k": k, "batch/rounds": rounds}, {}
     seconds: dict[int, list[float]] = {size: [] for size in sizes}
@@ -186,12 +186,17 @@ def batch_identity(index, questions: list[str], k: int = 5, size: int = 16, max_
     """Whether `size` questions per pass answer (and cite) exactly as one at a time, with `index`'s model as it
     is: in fp32, where no rounding depends on the batch's shape, any difference would be batching's own."""
     k = min(k, len(index))
-    options = dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0, start_beam=1)
+    options = _greedy_asks(k, max_new_tokens)
     alone = _answered(index.ask_many(questions, batch_size=1, **options))
     together = _answered(index.ask_many(questions, batch_size=size, **options))
     dtype = str(next(index.model.parameters()).dtype).removeprefix("torch.")
     return {f"batch/answers_identical_{dtype}": int(alone == together),
             f"batch/answers_agreeing_{dtype}": sum(a == b for a, b in zip(alone, together, strict=True))}
+
+
+def _greedy_asks(k: int, max_new_tokens: int) -> dict:
+    """`Index.ask_many` options for the batch figures: greedy, every answer kept, every passage read."""
+    return dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0, start_beam=1)
 
 
 def _answered(answers) -> list[tuple[str, list[str]]]:

@@ -573,12 +573,13 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         ids_for_positions = ids.unsqueeze(1)  # (B, 1, E+P+T), shared by every query position
 
         log_p_gen_target = None
+        # at inference the logits' buffer is reused for log_p_gen, then for the mixture (nothing else reads it)
+        reuse_logits = not torch.is_grad_enabled()
         if lm_stats is not None:
             gate = gate_log_probs_from_stats(lm_stats[0], copy_logit)
             log_p_gen_target = lm_stats[1] - lm_stats[0]
         else:
-            # at inference the logits' buffer is reused for log_p_gen, then for the mixture (nothing else reads it)
-            gate = gate_log_probs(self.lm_logits(hidden), copy_logit, in_place=not torch.is_grad_enabled())
+            gate = gate_log_probs(self.lm_logits(hidden), copy_logit, in_place=reuse_logits)
         loss = target_log_probs = None
         if targets is not None:
             weights = (targets != -100).to(hidden.dtype)
@@ -588,7 +589,7 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
                                                         log_p_gen_target)
             loss = -(target_log_probs * weights).sum() / weights.sum().clamp(min=1e-9)
         wants_log_probs = return_log_probs and lm_stats is None
-        log_probs = (mixture_log_probs(gate, copy, ids_for_positions, in_place=not torch.is_grad_enabled())
+        log_probs = (mixture_log_probs(gate, copy, ids_for_positions, in_place=reuse_logits)
                      if wants_log_probs else None)
         return CPLMOutput(
             loss=loss, log_probs=log_probs, log_gate=gate.log_g, copy_log_attention=copy.log_a,
