@@ -18,7 +18,7 @@ def __getattr__(name):
 
         return getattr(api, name)
     if name == "build_index":
-        from cprag.indexing import build_index
+        from cprag.index.build import build_index
 
         return build_index
     raise AttributeError(f"module 'cprag' has no attribute {name!r}")

@@ -8,20 +8,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cprag.batch_generate import batch_supported, generate_batch
-from cprag.cache import KEY_CACHE_DTYPE, KeyCache
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
-from cprag.config import check_end_bias
+from cprag.decoding.batched import batch_supported, generate_batch
+from cprag.decoding.generate import MODES, Citation, generate
+from cprag.decoding.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
+from cprag.decoding.prompt import prompt_ids
+from cprag.decoding.prompt_prefix import PromptPrefix, prompt_prefix
+from cprag.decoding.rerank import RERANKER_FILE, StartReranker, check_start_beam, default_start_beam
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
-from cprag.generate import MODES, Citation, generate
-from cprag.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
-from cprag.prompt import prompt_ids
-from cprag.prompt_prefix import PromptPrefix, prompt_prefix
-from cprag.rerank import RERANKER_FILE, StartReranker, check_start_beam, default_start_beam
-from cprag.retrieve import MiniLMEmbedder
-from cprag.runtime import default_device, place, resolve_dtype
-from cprag.snapshot import open_snapshot
-from cprag.store import check_model, directory_bytes, read_manifest
+from cprag.index.key_cache import KEY_CACHE_DTYPE, KeyCache
+from cprag.index.reader import open_snapshot
+from cprag.index.retrieve import MiniLMEmbedder
+from cprag.index.store import check_model, directory_bytes, read_manifest
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
+from cprag.model.config import check_end_bias
+from cprag.model.runtime import default_device, place, resolve_dtype
 
 # below this top-1 retrieval score (cosine, all-MiniLM-L6-v2) the corpus is taken to hold nothing on the question
 # and the answer is withheld before decoding. The rule: the highest multiple of 0.05 below which at most 0.5% of
@@ -29,9 +29,10 @@ from cprag.store import check_model, directory_bytes, read_manifest
 # of 2,847 questions whose article is not (eval/retrieval_floor.py, eval/retrieval-floor/)
 MIN_RETRIEVAL_SCORE = 0.25
 # first tokens decoded per question (`--start-beam`): None means the checkpoint's default, the beam its start
-# reranker was fitted for (cprag.rerank.default_start_beam; greedy without one, and always greedy when streaming)
+# reranker was fitted for (cprag.decoding.rerank.default_start_beam; greedy without one, and always greedy when
+# streaming)
 START_BEAM = None
-# questions decoded per backbone pass by `Index.ask_many` and `ask --questions` (cprag.batch_generate)
+# questions decoded per backbone pass by `Index.ask_many` and `ask --questions` (cprag.decoding.batched)
 BATCH_SIZE = 16
 
 
@@ -67,7 +68,7 @@ class Index:
         self.path = Path(path)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)  # None: the shipped one
         # the index's own files first: a damaged index fails in milliseconds, before seconds of model loading;
-        # the last committed version, even while `cprag index` updates it (cprag.snapshot)
+        # the last committed version, even while `cprag index` updates it (cprag.index.reader)
         snapshot = open_snapshot(self.path)
         self.manifest, self.store, self.passage_index = snapshot.manifest, snapshot.store, snapshot.passage_index
         self.device = device or default_device()
@@ -84,10 +85,12 @@ class Index:
         self.model, self.tokenizer = model, tokenizer
         self.embedder = MiniLMEmbedder(self.device)
         self.cache = KeyCache(self.device, KEY_CACHE_DTYPE, max_bytes=cache_bytes)
-        # the checkpoint's StartReranker (cprag.rerank), which chooses among start-beam answers; None: the likeliest
+        # the checkpoint's StartReranker (cprag.decoding.rerank), which chooses among start-beam answers; None: the
+        # likeliest
         # (a model handed in without its checkpoint directory has none)
         self.reranker = None if model_given and checkpoint is None else load_reranker(checkpoint, model.config)
-        # the checkpoint's passage prior weight (cprag.passage_prior): retrieval scores added to the copy scores
+        # the checkpoint's passage prior weight (cprag.decoding.passage_prior): retrieval scores added to the copy
+        # scores
         self.passage_prior = 0.0 if model_given and checkpoint is None else load_passage_prior(checkpoint)
         self._prefix: PromptPrefix | None = None
 
@@ -145,7 +148,7 @@ class Index:
         the same answers as one at a time, in fewer passes. Every question is checked before any is answered.
 
         In hidden greedy decoding, `on_token(i, token, source)` hears question i's tokens as they are chosen and
-        `cancelled(i)` stops question i early (`cprag.batch_generate.generate_batch`); with either, the default
+        `cancelled(i)` stops question i early (`cprag.decoding.batched.generate_batch`); with either, the default
         start beam is 1 (a stream must not hear the alternatives not chosen)."""
         streaming = on_token is not None or cancelled is not None
         if start_beam is None:

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cprag.errors import CpragError
-from cprag.train_config import TrainConfig
+from cprag.training.config import TrainConfig
 
 app = typer.Typer(
     add_completion=False,
@@ -68,8 +68,8 @@ def model_command(
 
     Example: cprag model --bench
     """
-    from cprag.bench import forward_tokens_per_second
-    from cprag.checkpoint import load_model, model_fingerprint
+    from cprag.evaluation.bench import forward_tokens_per_second
+    from cprag.model.checkpoint import load_model, model_fingerprint
 
     start = time.perf_counter()
     with err.status("loading the model"):
@@ -112,8 +112,8 @@ def score_command(
 
     Example: cprag score "When was it built?" "1871" -p "The lighthouse was built in 1871."
     """
-    from cprag.checkpoint import load_model
-    from cprag.scoring import score_answer
+    from cprag.evaluation.answer_score import score_answer
+    from cprag.model.checkpoint import load_model
 
     text = read_text_argument(passage)
     with err.status("loading the model"):
@@ -140,7 +140,7 @@ INDEX_OPTION = typer.Option(Path("indexes/default"), "--index", "-i", help="Inde
 
 
 DTYPE_OPTION = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: CPRAG_DTYPE, else bfloat16 on "
-                            "CUDA and on CPUs with bf16 units, float32 on others; see cprag.runtime).")
+                            "CUDA and on CPUs with bf16 units, float32 on others; see cprag.model.runtime).")
 
 
 @app.command("index")
@@ -155,11 +155,11 @@ def index_command(
                              "int8 with a scale per key (70 B), or pq: 16 one-byte codes of a codebook learned from "
                              "the corpus (20 B); changing it needs --rebuild."),
     pq_subvectors: int = typer.Option(None, "--pq-subvectors", help="With --keys pq: codes (bytes) per key; each "
-                                      "codes key_dim / N dimensions (default: cprag.key_codec.PQ_SUBVECTORS)."),
+                                      "codes key_dim / N dimensions (default: cprag.index.key_codec.PQ_SUBVECTORS)."),
     approximate_above: int = typer.Option(None, "--approximate-above", help="Passages above which the FAISS "
                                           "index is an IVF (trained on the stored embeddings) instead of exact "
-                                          "(default: cprag.retrieve.APPROXIMATE_ABOVE, 100,000); cprag info shows "
-                                          "which."),
+                                          "(default: cprag.index.retrieve.APPROXIMATE_ABOVE, 100,000); "
+                                          "cprag info shows which."),
     ray: str = typer.Option(None, "--ray", help="Encode on a Ray cluster: "
                             "--ray ADDRESS joins one (HOST:PORT, ray://..., or auto for the one `ray start` runs "
                             "here); a bare --ray (or --ray local) starts a local cluster. Needs the cluster "
@@ -171,7 +171,7 @@ def index_command(
                                    "run keeps)."),
     compressed_above: int = typer.Option(None, "--compressed-above", help="Passages above which the IVF keeps its "
                                          "vectors as 8-bit scalars, a quarter of the memory (default: "
-                                         "cprag.retrieve.COMPRESSED_ABOVE, 2,000,000)."),
+                                         "cprag.index.retrieve.COMPRESSED_ABOVE, 2,000,000)."),
     checkpoint: Path = CHECKPOINT_OPTION,
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: str = DTYPE_OPTION,
@@ -185,10 +185,10 @@ def index_command(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from cprag.checkpoint import load_model, model_fingerprint
-    from cprag.indexing import IndexConfig, build_index
-    from cprag.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, MiniLMEmbedder
-    from cprag.runtime import default_device, place, resolve_dtype
+    from cprag.index.build import IndexConfig, build_index
+    from cprag.index.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, MiniLMEmbedder
+    from cprag.model.checkpoint import load_model, model_fingerprint
+    from cprag.model.runtime import default_device, place, resolve_dtype
 
     above = APPROXIMATE_ABOVE if approximate_above is None else approximate_above
     config = IndexConfig(max_passage_tokens=max_passage_tokens, chunk_passages=chunk, rebuild=rebuild,
@@ -196,7 +196,7 @@ def index_command(
                          compressed_above=COMPRESSED_ABOVE if compressed_above is None else compressed_above)
     cluster = None
     if ray is not None:
-        from cprag.ray_index import RayIndexSettings
+        from cprag.index.ray_runner import RayIndexSettings
 
         cluster = RayIndexSettings(address=None if ray == "local" else ray, workers=ray_workers,
                                    cpus_per_worker=ray_cpus_per_worker, commit_passages=ray_commit,
@@ -290,23 +290,23 @@ def ask_command(
     Example: cprag ask --questions questions.txt --index indexes/demo --batch-size 16 --json
     """
     from cprag.api import BATCH_SIZE, MIN_RETRIEVAL_SCORE, Index
+    from cprag.decoding.rerank import check_start_beam
     from cprag.errors import ConfigError
-    from cprag.rerank import check_start_beam
 
     batch_size = BATCH_SIZE if batch_size is None else batch_size
     check_start_beam(start_beam)  # before seconds of loading
     if batch_size < 1:
         raise ConfigError("--batch-size", batch_size, "must be at least 1")
     if passage_prior is not None:
-        from cprag.passage_prior import check_weight
+        from cprag.decoding.passage_prior import check_weight
 
         check_weight(passage_prior)
     if end_bias is not None:
-        from cprag.config import check_end_bias
+        from cprag.model.config import check_end_bias
 
         check_end_bias(end_bias)
     if dtype is not None:
-        from cprag.runtime import resolve_dtype
+        from cprag.model.runtime import resolve_dtype
 
         resolve_dtype("cpu", dtype)  # a wrong name fails before seconds of loading
     floor = MIN_RETRIEVAL_SCORE if min_retrieval_score is None else min_retrieval_score
@@ -524,7 +524,7 @@ def train_command(
     """
     from dataclasses import replace
 
-    from cprag.recipe import train_checkpoint
+    from cprag.training.recipe import train_checkpoint
 
     head = {**TRAIN_DEFAULTS.head, "adapter_layers": parse_layers(adapter_layers) or None,
             "adapter_rank": adapter_rank}
@@ -619,9 +619,9 @@ def eval_squad_command(
     Example: cprag eval squad ../shared/data/squad-v1.1-dev-public.json --oracle --limit 1000 --out eval/runs/sq
     Example: cprag eval squad DATA --index indexes/squad --limit 300 --out eval/runs/squad-retrieved
     """
-    from cprag.checkpoint import held_out_articles
     from cprag.errors import ConfigError
-    from cprag.evaluate import SquadEvalConfig, evaluate_squad, write_squad_report
+    from cprag.evaluation.squad_eval import SquadEvalConfig, evaluate_squad, write_squad_report
+    from cprag.model.checkpoint import held_out_articles
 
     if (index is None) == (not oracle):
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
@@ -641,7 +641,7 @@ def eval_squad_command(
             model, tokenizer = opened.model, opened.tokenizer
         else:
             from cprag.api import load_reranker
-            from cprag.checkpoint import load_model
+            from cprag.model.checkpoint import load_model
 
             opened = None
             model, tokenizer = load_model(checkpoint)
@@ -683,10 +683,10 @@ def eval_squad2_command(
     Example: cprag eval squad2 ../shared/data/squad-v2.0-dev-public.json --limit 1000 --out eval/squad2
     """
     from cprag.api import load_passage_prior, load_reranker
-    from cprag.checkpoint import load_model
     from cprag.errors import ConfigError
-    from cprag.evaluate import SquadEvalConfig
-    from cprag.squad2 import evaluate_squad2, write_squad2_report
+    from cprag.evaluation.squad2 import evaluate_squad2, write_squad2_report
+    from cprag.evaluation.squad_eval import SquadEvalConfig
+    from cprag.model.checkpoint import load_model
 
     if not oracle:
         raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
@@ -734,9 +734,9 @@ def eval_scale_command(
     import tempfile
 
     from cprag.errors import ConfigError
-    from cprag.key_codec import codec_name
-    from cprag.retrieve import COMPRESSED_ABOVE
-    from cprag.scale import measure_scale, write_scale_report, write_synthetic_index
+    from cprag.evaluation.scale import measure_scale, write_scale_report, write_synthetic_index
+    from cprag.index.key_codec import codec_name
+    from cprag.index.retrieve import COMPRESSED_ABOVE
 
     if passages < 100:
         raise ConfigError("--passages", passages, "must be at least 100")
@@ -802,7 +802,8 @@ def eval_bench_command(
     import torch
 
     from cprag.api import Index
-    from cprag.bench import (
+    from cprag.errors import ConfigError
+    from cprag.evaluation.bench import (
         batch_identity,
         batch_throughput,
         bench_questions,
@@ -813,12 +814,11 @@ def eval_bench_command(
         warm_vs_cold,
         write_bench_report,
     )
-    from cprag.checkpoint import load_model, model_fingerprint
-    from cprag.corpus import read_corpus
-    from cprag.errors import ConfigError
-    from cprag.indexing import IndexConfig, build_index
-    from cprag.retrieve import MiniLMEmbedder
-    from cprag.runtime import default_device, place, resolve_dtype
+    from cprag.index.build import IndexConfig, build_index
+    from cprag.index.corpus import read_corpus
+    from cprag.index.retrieve import MiniLMEmbedder
+    from cprag.model.checkpoint import load_model, model_fingerprint
+    from cprag.model.runtime import default_device, place, resolve_dtype
 
     if documents < 0:
         raise ConfigError("--documents", documents, "must be 0 (all) or a positive count")
@@ -902,11 +902,11 @@ def eval_needle_command(
     Example: cprag eval needle --lengths 1000,100000 --depths 0,0.5,1 --out eval/runs/needle
     """
     from cprag.api import load_passage_prior, load_reranker
-    from cprag.checkpoint import load_model
+    from cprag.decoding.passage_prior import check_weight
+    from cprag.decoding.rerank import check_start_beam, default_start_beam
     from cprag.errors import ConfigError
-    from cprag.needle import run_needle, write_needle_report
-    from cprag.passage_prior import check_weight
-    from cprag.rerank import check_start_beam, default_start_beam
+    from cprag.evaluation.needle import run_needle, write_needle_report
+    from cprag.model.checkpoint import load_model
 
     try:
         length_list = [int(v) for v in lengths.split(",")]
@@ -923,7 +923,7 @@ def eval_needle_command(
         model, tokenizer = load_model(checkpoint)
         reranker = load_reranker(checkpoint, model.config)
         if weight > 0 and "hidden" in mode_list:
-            from cprag.retrieve import MiniLMEmbedder
+            from cprag.index.retrieve import MiniLMEmbedder
 
             embedder = MiniLMEmbedder()
     with _progress_bar(as_json) as progress:

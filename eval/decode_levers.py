@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
-from cprag.qa_eval import evaluate_oracle, summarize
-from cprag.squad import read_squad
+from cprag.evaluation.oracle_qa import evaluate_oracle, summarize
+from cprag.evaluation.squad import read_squad
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
 
 
 def main(argv: list[str] | None = None) -> int:

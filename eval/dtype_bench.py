@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from cprag.checkpoint import new_cplm
-from cprag.encode import length_batches, tokenize_passage
-from cprag.squad import read_squad
-from cprag.train import compute_context, trainable_parameters
-from cprag.train_config import TrainConfig
+from cprag.evaluation.squad import read_squad
+from cprag.index.encode import length_batches, tokenize_passage
+from cprag.model.checkpoint import new_cplm
+from cprag.training.config import TrainConfig
+from cprag.training.train import compute_context, trainable_parameters
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,5 +1,5 @@
 """The shipped checkpoint in fp32 against bf16 weights on this CPU, in one run: answers, latency and key encoding.
-Decides `cprag.runtime.CPU_BF16_DEFAULT` (bf16 ships as the CPU default only if hidden EM moves
+Decides `cprag.model.runtime.CPU_BF16_DEFAULT` (bf16 ships as the CPU default only if hidden EM moves
 by at most 1 point).
 
     python eval/dtype_qa.py ../shared/data/squad-v1.1-dev-public.json [--questions 300] [--out eval/dtype/qa.json]
@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
-from cprag.encode import encode_passages, tokenize_passage
-from cprag.evaluate import sample_examples
-from cprag.metrics import paired_interval
-from cprag.qa_eval import evaluate_oracle
-from cprag.runtime import place
-from cprag.squad import read_squad
+from cprag.evaluation.metrics import paired_interval
+from cprag.evaluation.oracle_qa import evaluate_oracle
+from cprag.evaluation.squad import read_squad
+from cprag.evaluation.squad_eval import sample_examples
+from cprag.index.encode import encode_passages, tokenize_passage
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
+from cprag.model.runtime import place
 
 
 def main(argv: list[str] | None = None) -> int:

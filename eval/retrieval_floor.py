@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cprag.retrieve import MiniLMEmbedder, PassageIndex, passage_text_for_retrieval
-from cprag.squad import read_squad
+from cprag.evaluation.squad import read_squad
+from cprag.index.retrieve import MiniLMEmbedder, PassageIndex, passage_text_for_retrieval
 
 FLOORS = (0.15, 0.2, 0.25, 0.3, 0.35, 0.4)
 

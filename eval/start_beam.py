@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
-from cprag.evaluate import bar_plot, sample_examples
-from cprag.generate import generate
-from cprag.metrics import paired_interval, squad2_question_scores
-from cprag.qa_eval import OracleMemory, oracle_passage_ids
-from cprag.squad import read_squad
+from cprag.decoding.generate import generate
+from cprag.evaluation.metrics import paired_interval, squad2_question_scores
+from cprag.evaluation.oracle_qa import OracleMemory, oracle_passage_ids
+from cprag.evaluation.squad import read_squad
+from cprag.evaluation.squad_eval import bar_plot, sample_examples
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
 
 ALPHAS = (0.0, 0.5, 1.0)
 

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 from cprag.api import load_passage_prior, load_reranker
-from cprag.batch_generate import generate_batch
-from cprag.checkpoint import load_model
-from cprag.evaluate import sample_examples
-from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, oracle_passage_ids, retrieval_scores
-from cprag.rerank import default_start_beam
-from cprag.squad import read_squad
+from cprag.decoding.batched import generate_batch
+from cprag.decoding.prompt_prefix import prompt_prefix
+from cprag.decoding.rerank import default_start_beam
+from cprag.evaluation.oracle_qa import OracleMemory, oracle_passage_ids, retrieval_scores
+from cprag.evaluation.squad import read_squad
+from cprag.evaluation.squad_eval import sample_examples
+from cprag.model.checkpoint import load_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,7 @@ if [ "$DRY_RUN" = 1 ]; then
     case "$help" in *--device*) ;; *) echo "dry run: eval bench lacks --device" >&2; exit 1 ;; esac
     found=$("$PYTHON" -m pytest -o addopts="" -q -p no:cacheprovider --collect-only -m cuda tests 2>/dev/null | grep -c "::" || true)
     [ "$found" -ge 3 ] || { echo "dry run: found $found CUDA tests, expected at least 3" >&2; exit 1; }
-    "$PYTHON" -c "import cprag.bench, cprag.encode, cprag.generate" || exit 1
+    "$PYTHON" -c "import cprag.evaluation.bench, cprag.index.encode, cprag.decoding.generate" || exit 1
     echo "dry run: ok ($found CUDA tests collected; the bench takes --device cuda)"
     exit 0
 fi
@@ -74,7 +74,7 @@ status() { echo "| $1 | $2 | $(( $(date +%s) - started )) s |" >> "$OUT_DIR/step
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "gpu_check: torch sees no CUDA device (see $OUT_DIR/env.txt)" >&2; exit 1; }
 
-if [ -z "$WHEELS" ] && ! "$PYTHON" -c "import cprag.generate" 2>/dev/null; then
+if [ -z "$WHEELS" ] && ! "$PYTHON" -c "import cprag.decoding.generate" 2>/dev/null; then
     # a machine with network and no environment yet: the project's own setup
     make install > "$OUT_DIR/setup.log" 2>&1 && status setup 0 || status setup $?
     PYTHON=.venv/bin/python
@@ -98,10 +98,10 @@ else
 # are more than a device call may carry): throughput does not depend on the weights' values
 import json
 import torch
-from cprag.bench import forward_tokens_per_second
-from cprag.checkpoint import DEFAULT_CHECKPOINT
-from cprag.config import CPLMConfig
-from cprag.model import CPLMForCausalLM
+from cprag.evaluation.bench import forward_tokens_per_second
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT
+from cprag.model.config import CPLMConfig
+from cprag.model.cplm import CPLMForCausalLM
 model = CPLMForCausalLM(CPLMConfig.from_pretrained(DEFAULT_CHECKPOINT)).eval()
 figures = {"bench/device": "cuda", "bench/weights": "random (default architecture)"}
 for dtype in (torch.float32, torch.bfloat16):

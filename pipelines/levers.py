@@ -3,7 +3,7 @@ validation questions (hidden mode, gold passage + 4 same-article distractors, of
 
     python pipelines/levers.py TRAIN --validation DEV --out /tmp/levers [--only NAME ...] [--steps 1500]
 
-Each variant changes one setting of cprag.train_config.TrainConfig and trains a checkpoint into OUT/<variant>
+Each variant changes one setting of cprag.training.config.TrainConfig and trains a checkpoint into OUT/<variant>
 (resumable: a variant whose metrics.json exists is not run again, a half-trained one resumes). Results are
 appended to OUT/levers.jsonl as each finishes, and the markdown table is printed at the end.
 """
@@ -18,8 +18,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from cprag.recipe import train_checkpoint
-from cprag.train_config import TrainConfig
+from cprag.training.config import TrainConfig
+from cprag.training.recipe import train_checkpoint
 
 BASE = TrainConfig()
 

@@ -2,7 +2,7 @@
 
     python pipelines/squad_negatives.py ../shared/data/squad-v1.1-train.json --out runs/negatives.json
 
-A seeded share (`--share`) of the questions is rewritten by the rules of `cprag.negatives` (entity, number,
+A seeded share (`--share`) of the questions is rewritten by the rules of `cprag.training.negatives` (entity, number,
 antonym, negation) so that their paragraph no longer answers them. The output is SQuAD 2.0 format: every article
 and paragraph of the input in the same order (so passage ids match the training file's and its activation cache
 serves their passages), each paragraph holding only its rewritten questions, marked `is_impossible`, with the
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from cprag.negatives import KINDS, negatives_file
+from cprag.training.negatives import KINDS, negatives_file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@
 
 The activation cache covers every question of its training file (for SQuAD v1.1 train: 22 GB, about 95 minutes
 here), so a short continuation trains on a file of its own. `--seen N`: the shipped run trained on the first N
-questions of its seeded article-grouped order (`cprag.train`); the articles none of whose questions are among them
+questions of its seeded article-grouped order (`cprag.training.train`); the articles none of whose questions are among
+them
 are unseen, and a seeded sample of `--articles` of them is written, paragraphs and questions unchanged.
 """
 
@@ -17,8 +18,8 @@ import random
 import sys
 from pathlib import Path
 
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
-from cprag.recipe import unseen_articles
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
+from cprag.training.recipe import unseen_articles
 
 
 def main(argv: list[str] | None = None) -> int:

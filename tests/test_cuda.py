@@ -4,12 +4,12 @@ machine may lack (its wheels are larger than a device call can carry)."""
 
 import pytest
 import torch
-from tiny_models import DOCS, tiny_checkpoint, write_jsonl
 
-from cprag.checkpoint import load_model
-from cprag.encode import encode_passages, tokenize_passage
-from cprag.generate import generate
-from cprag.qa_eval import OracleMemory
+from cprag.decoding.generate import generate
+from cprag.evaluation.oracle_qa import OracleMemory
+from cprag.index.encode import encode_passages, tokenize_passage
+from cprag.model.checkpoint import load_model
+from tests.tiny_models import DOCS, tiny_checkpoint, write_jsonl
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")]
@@ -48,10 +48,9 @@ def test_fp32_answers_on_the_gpu_equal_the_cpu_answers(checkpoint, mode):
 
 def test_an_index_opened_on_the_gpu_answers_in_bf16_with_valid_citations(tmp_path, checkpoint):
     pytest.importorskip("lancedb", reason="LanceDB is not installed on this machine")
-    from test_index_ask import index_corpus
-
     from cprag.api import Index
-    from cprag.retrieve import MiniLMEmbedder
+    from cprag.index.retrieve import MiniLMEmbedder
+    from tests.index_helpers import index_corpus
 
     index_corpus(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "idx", checkpoint, MiniLMEmbedder())
     gpu = Index(tmp_path / "idx", checkpoint=checkpoint, device="cuda")

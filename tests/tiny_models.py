@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from transformers import AutoModel, LlamaConfig
 
-from cprag.backbone import gguf_reference
-from cprag.checkpoint import new_cplm
-from cprag.config import CPLMConfig
-from cprag.model import CPLMForCausalLM
+from cprag.model.backbone import gguf_reference
+from cprag.model.checkpoint import new_cplm
+from cprag.model.config import CPLMConfig
+from cprag.model.cplm import CPLMForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġ", "a")]
@@ -116,7 +116,7 @@ def write_tiny_gguf(path: Path, seed: int = 0):
 
 def tiny_tokenizer(directory: Path):
     """The tokenizer of a tiny GGUF file written into `directory`, loaded as cprag loads a backbone."""
-    from cprag.backbone import gguf_reference, load_backbone
+    from cprag.model.backbone import gguf_reference, load_backbone
 
     path = Path(directory) / "tiny.gguf"
     write_tiny_gguf(path)

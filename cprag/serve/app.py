@@ -1,5 +1,5 @@
 """`cprag serve`: the index over HTTP. One model, retriever and key-shard cache shared by every request; concurrent
-questions decoded together (`cprag.serve.batcher`); answers streamed token by token as server-sent events.
+questions decoded together (`cprag.serve.request_batcher`); answers streamed token by token as server-sent events.
 
 Routes: POST /v1/ask (`?stream=true` for events), POST /v1/ask_batch, GET /v1/info, GET /healthz, GET / (the
 page), /docs (OpenAPI). Every route but /healthz asks for the API key when one is set (`Authorization: Bearer
@@ -23,10 +23,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from cprag.decoding.generate import MODES
 from cprag.errors import ConfigError, CpragError, IndexBusy, IndexUnfinished, QuestionTooLong, TooFewPassages
-from cprag.generate import MODES
-from cprag.serve.batcher import Batcher, Job
-from cprag.snapshot import manifest_stamp
+from cprag.index.reader import manifest_stamp
+from cprag.serve.request_batcher import Batcher, Job
 
 RETRY_AFTER_S = 5
 REOPEN_CHECK_S = 1.0  # how often a request may look for a newer committed version of the index

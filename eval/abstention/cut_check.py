@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cprag.checkpoint import DEFAULT_CHECKPOINT, load_model
-from cprag.evaluate import sample_examples
-from cprag.generate import generate
-from cprag.qa_eval import OracleMemory, oracle_passage_ids
-from cprag.squad import read_squad
+from cprag.decoding.generate import generate
+from cprag.evaluation.oracle_qa import OracleMemory, oracle_passage_ids
+from cprag.evaluation.squad import read_squad
+from cprag.evaluation.squad_eval import sample_examples
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
 
 POOL = 3000  # a seeded sample of the file, read in order
 SENTENCE = re.compile(r"[^.!?]*[.!?]+\s*|[^.!?]+$")

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cprag.checkpoint import load_model
-from cprag.runtime import place, resolve_dtype
+from cprag.model.checkpoint import load_model
+from cprag.model.runtime import place, resolve_dtype
 
 SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 STOPWORDS = set("the a an of in on at to for by with from and or is are was were be been what which who whom whose "

@@ -1,4 +1,4 @@
-"""Fit the end bias (`CPLMConfig.end_bias`, `cprag.decode_step.with_end_bias`) on training-file questions a
+"""Fit the end bias (`CPLMConfig.end_bias`, `cprag.decoding.step.with_end_bias`) on training-file questions a
 checkpoint never saw.
 
 For each question (gold passage + 4 same-article distractors, as `cprag eval squad --oracle` draws them, with the
@@ -29,18 +29,18 @@ import numpy as np
 import torch
 
 from cprag.api import load_passage_prior
-from cprag.checkpoint import load_model
-from cprag.config import CPLMConfig
-from cprag.decode_step import Step, shared_memory
-from cprag.encode import tokenize_passage
-from cprag.generate import lexical_prior
-from cprag.lexical import inside_word
-from cprag.passage_prior import passage_bias
-from cprag.prompt import end_of_turn_id, prompt_ids
-from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import add_fit_question_arguments, fit_questions, resume_records
-from cprag.squad import answer_token_span, read_squad
+from cprag.decoding.generate import lexical_prior
+from cprag.decoding.passage_prior import passage_bias
+from cprag.decoding.prompt import end_of_turn_id, prompt_ids
+from cprag.decoding.prompt_prefix import prompt_prefix
+from cprag.decoding.step import Step, shared_memory
+from cprag.evaluation.oracle_qa import OracleMemory, retrieval_scores
+from cprag.evaluation.squad import answer_token_span, read_squad
+from cprag.index.encode import tokenize_passage
+from cprag.model.checkpoint import load_model
+from cprag.model.config import CPLMConfig
+from cprag.model.lexical import inside_word
+from cprag.training.recipe import add_fit_question_arguments, fit_questions, resume_records
 
 BIASES = (2, 1, 0.5, 0, -0.5, -1, -1.5, -2, -2.5, -3, -4, -5, -6)
 NEG = -1e30

@@ -1,4 +1,4 @@
-"""Fit the passage prior's weight (`cprag/passage_prior.py`) on training-file questions a checkpoint never saw.
+"""Fit the passage prior's weight (`cprag/decoding/passage_prior.py`) on training-file questions a checkpoint never saw.
 
 For each question (gold passage + 4 same-article distractors, as `cprag eval squad --oracle` draws them) the
 script records the CP head's first-step scores over every memory entry (no prior) and the retriever's cosine
@@ -24,16 +24,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cprag.checkpoint import load_model
-from cprag.decode_step import Step, shared_memory
-from cprag.encode import tokenize_passage
-from cprag.generate import lexical_prior
-from cprag.passage_prior import PassagePrior
-from cprag.prompt import prompt_ids
-from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import add_fit_question_arguments, fit_questions, resume_records
-from cprag.squad import read_squad
+from cprag.decoding.generate import lexical_prior
+from cprag.decoding.passage_prior import PassagePrior
+from cprag.decoding.prompt import prompt_ids
+from cprag.decoding.prompt_prefix import prompt_prefix
+from cprag.decoding.step import Step, shared_memory
+from cprag.evaluation.oracle_qa import OracleMemory, retrieval_scores
+from cprag.evaluation.squad import read_squad
+from cprag.index.encode import tokenize_passage
+from cprag.model.checkpoint import load_model
+from cprag.training.recipe import add_fit_question_arguments, fit_questions, resume_records
 
 WEIGHTS = (0, 1, 2, 4, 6, 8, 10, 12, 15, 20, 25, 30, 40)
 

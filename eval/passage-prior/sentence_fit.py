@@ -2,7 +2,7 @@
 
 Records, per question (gold passage + 4 same-article distractors, the passage-prior fit's questions), the CP
 head's first-step scores over every memory entry, the retriever's cosine of the question to each passage, and the
-same embedder's cosine to each sentence (`cprag.lexical.sentence_ids` over the passage's tokens, decoded). Offline
+same embedder's cosine to each sentence (`cprag.model.lexical.sentence_ids` over the passage's tokens, decoded). Offline
 it sweeps `score + w_p (s_p - max s) + w_s (c_sentence - max c)` and asks, as `fit.py` does, whether the best entry
 starts the answer; paired bootstrap against the shipped passage prior alone (w_p = 15, w_s = 0). It also splits the
 wrong starts by where they land: in the answer's sentence, elsewhere in the gold passage, or in a distractor.
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cprag.checkpoint import load_model
-from cprag.lexical import sentence_ids
-from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import add_fit_question_arguments, fit_questions, resume_records
-from cprag.retrieve import MiniLMEmbedder
-from cprag.squad import read_squad
+from cprag.decoding.prompt_prefix import prompt_prefix
+from cprag.evaluation.oracle_qa import OracleMemory, retrieval_scores
+from cprag.evaluation.squad import read_squad
+from cprag.index.retrieve import MiniLMEmbedder
+from cprag.model.checkpoint import load_model
+from cprag.model.lexical import sentence_ids
+from cprag.training.recipe import add_fit_question_arguments, fit_questions, resume_records
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit import answer_entries, first_step_scores  # noqa: E402  (the passage-prior fit's own record)

@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 from cprag.api import load_passage_prior
-from cprag.batch_generate import generate_batch
-from cprag.checkpoint import load_model
-from cprag.generate import lexical_prior, shared_memory
-from cprag.metrics import squad2_question_scores
-from cprag.prompt_prefix import prompt_prefix
-from cprag.qa_eval import OracleMemory, retrieval_scores
-from cprag.recipe import add_fit_question_arguments, fit_questions
-from cprag.squad import article_of, read_squad
+from cprag.decoding.batched import generate_batch
+from cprag.decoding.generate import lexical_prior, shared_memory
+from cprag.decoding.prompt_prefix import prompt_prefix
+from cprag.evaluation.metrics import squad2_question_scores
+from cprag.evaluation.oracle_qa import OracleMemory, retrieval_scores
+from cprag.evaluation.squad import article_of, read_squad
+from cprag.model.checkpoint import load_model
+from cprag.training.recipe import add_fit_question_arguments, fit_questions
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Fit the start reranker (`cprag.rerank`) on decoded training-file questions and measure it on validation.
+"""Fit the start reranker (`cprag.decoding.rerank`) on decoded training-file questions and measure it on validation.
 
     python eval/rerank/fit.py /tmp/cprag-rerank/train.jsonl /tmp/cprag-rerank/dev.jsonl [--out eval/rerank]
         [--save cprag/checkpoints/default]
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cprag.metrics import paired_interval
-from cprag.rerank import SpanCandidate, StartReranker, span_features
+from cprag.decoding.rerank import SpanCandidate, StartReranker, span_features
+from cprag.evaluation.metrics import paired_interval
 
 LOSSES = ("best", "expected")
 L2 = (1e-3, 1e-2, 1e-1, 1.0)

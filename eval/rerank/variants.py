@@ -1,5 +1,5 @@
 """Would more features or a hidden layer make a better start reranker? Article-grouped 5-fold CV on the records
-`collect.py` writes, for feature sets beyond `cprag.rerank.span_features` and for a one-hidden-layer scorer.
+`collect.py` writes, for feature sets beyond `cprag.decoding.rerank.span_features` and for a one-hidden-layer scorer.
 
     python eval/rerank/variants.py /tmp/cprag-rerank/train.jsonl [--beam 4] [--out eval/rerank/variants.json]
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from fit import article_of_record  # noqa: E402  (the fit's own grouping; this script's folder is on the path)
 
-from cprag.rerank import SpanCandidate, _overlap, _words, span_features
+from cprag.decoding.rerank import SpanCandidate, _overlap, _words, span_features
 
 FEATURE_SETS = ("base", "pscore", "spanmean", "agree+nest", "pscore+spanmean+agree+nest")
 SCORERS = ((0, 1e-3), (0, 1e-2), (16, 1e-2), (16, 1e-1), (32, 3e-2))  # (hidden units, L2)

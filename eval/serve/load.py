@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from cprag.bench import bench_questions
-from cprag.corpus import read_corpus
+from cprag.evaluation.bench import bench_questions
+from cprag.index.corpus import read_corpus
 
 
 def free_port() -> int:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "speed")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from cprag.corpus import read_corpus
+    from cprag.index.corpus import read_corpus
 
     everything = read_corpus(args.corpus).documents
     documents = random.Random(args.seed).sample(everything, args.documents)

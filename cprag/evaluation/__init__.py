@@ -1,0 +1,1 @@
+"""Evaluation: SQuAD metrics and runs, abstention, the needle test and the benchmarks."""

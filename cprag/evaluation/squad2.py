@@ -1,0 +1,119 @@
+"""`cprag eval squad2`: abstention on SQuAD 2.0. Each question gets its own paragraph plus distractors (oracle
+memory); answerable or not, the model gives its best answer and a confidence, and an answer whose confidence is
+below the threshold is withheld. Scored as the official SQuAD 2.0 script scores it: HasAns EM/F1, NoAns accuracy,
+overall EM/F1, and the threshold that would maximise overall F1. Keys: qa2/<mode>/...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from cprag.decoding.rerank import default_start_beam
+from cprag.evaluation.metrics import best_threshold, squad2_question_scores
+from cprag.evaluation.oracle_qa import QAResult, evaluate_oracle
+from cprag.evaluation.squad import read_squad
+from cprag.evaluation.squad_eval import SquadEvalConfig, bar_plot, sample_examples
+
+
+def abstention_scores(results: list[QAResult], answerable: dict[str, bool], threshold: float) -> dict[str, float]:
+    """Official SQuAD 2.0 figures (percent) when answers with confidence below `threshold` are withheld."""
+    em, f1, has = [], [], []
+    for r in results:
+        prediction = r.prediction if (r.confidence is None or r.confidence >= threshold) else ""
+        scores = squad2_question_scores(prediction, r.references)
+        em.append(scores[0])
+        f1.append(scores[1])
+        has.append(answerable[r.qid])
+    em, f1, has = np.array(em), np.array(f1), np.array(has, dtype=bool)
+
+    def mean(values: np.ndarray) -> float:
+        return round(100 * float(values.mean()), 2) if values.size else 0.0
+
+    return {"em": mean(em), "f1": mean(f1), "has_em": mean(em[has]), "has_f1": mean(f1[has]),
+            "noans_acc": mean(em[~has])}
+
+
+def summarize_squad2(results: list[QAResult], answerable: dict[str, bool], threshold: float) -> dict[str, float]:
+    """qa2/<mode>/... at `threshold`, plus the same answering always (`..._always`) and the best threshold."""
+    summary: dict[str, float] = {}
+    for mode in sorted({r.mode for r in results}):
+        chosen = [r for r in results if r.mode == mode]
+        prefix = f"qa2/{mode}/"
+        usable = [r for r in chosen if r.confidence is not None]  # closed mode has no passages, hence none
+        at = threshold if usable else 0.0
+        summary.update({prefix + k: v for k, v in abstention_scores(chosen, answerable, at).items()})
+        always = abstention_scores(chosen, answerable, 0.0)
+        summary[prefix + "has_f1_always"] = always["has_f1"]
+        summary[prefix + "f1_always"] = always["f1"]
+        summary[prefix + "threshold"] = at
+        if usable:
+            singles = [squad2_question_scores(r.prediction, r.references)[1] for r in usable]
+            best, best_at = best_threshold([r.confidence for r in usable], [answerable[r.qid] for r in usable],
+                                           singles, [bool(r.prediction) for r in usable])
+            summary[prefix + "best_f1"] = round(best, 2)
+            summary[prefix + "best_threshold"] = round(best_at, 6) if np.isfinite(best_at) else 1.0
+        summary[prefix + "n"] = len(chosen)
+        summary[prefix + "has_n"] = sum(answerable[r.qid] for r in chosen)
+    return summary
+
+
+def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, tokenizer, threshold: float,
+                    on_progress: Callable[[int, int], None] | None = None,
+                    on_result: Callable[[QAResult], None] | None = None, reranker=None
+                    ) -> tuple[dict, list[QAResult]]:
+    """Answer every sampled question (always, recording confidences), then score with abstention below
+    `threshold`. Returns (summary, results). Abstention follows the greedy first token's confidence whatever
+    the start beam (`config.start_beam`, None: `reranker`'s), which only changes the answers given."""
+    data = read_squad(data_path, unanswerable=True)
+    examples = sample_examples(data, config.limit, config.seed, config.articles)
+    total, done = len(examples) * len(config.modes), [0]
+
+    def tick(result):
+        done[0] += 1
+        if on_result:
+            on_result(result)
+        if on_progress:
+            on_progress(done[0], total)
+
+    start_beam = default_start_beam(reranker) if config.start_beam is None else config.start_beam
+    results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
+                              config.seed, config.max_new_tokens, on_result=tick, batch_size=config.batch_size,
+                              passage_prior=config.passage_prior, end_bias=config.end_bias,
+                              start_beam=start_beam, reranker=reranker)
+    answerable = {e.qid: e.answerable for e in examples}
+    summary = summarize_squad2(results, answerable, threshold)
+    summary["eval/passage_prior"] = config.passage_prior
+    summary["eval/start_beam"] = start_beam
+    summary["eval/end_bias"] = model.config.end_bias if config.end_bias is None else config.end_bias
+    summary["eval/questions"] = len(examples)
+    summary["eval/unanswerable"] = sum(not a for a in answerable.values())
+    return summary, results
+
+
+def write_squad2_report(out_dir: str | Path, summary: dict, results: list[QAResult], title: str) -> None:
+    """results.jsonl, summary.json, report.md and a bar plot of HasAns F1 / NoAns accuracy / overall F1."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "results.jsonl", "w") as handle:
+        for result in results:
+            handle.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    modes = sorted({k.split("/")[1] for k in summary if k.startswith("qa2/")})
+    rows = "\n".join(
+        f"| {m} | {summary[f'qa2/{m}/n']} | {summary[f'qa2/{m}/threshold']:.3f} | {summary[f'qa2/{m}/has_f1']:.1f} "
+        f"({summary[f'qa2/{m}/has_f1_always']:.1f}) | {summary[f'qa2/{m}/noans_acc']:.1f} | "
+        f"{summary[f'qa2/{m}/em']:.1f} | {summary[f'qa2/{m}/f1']:.1f} | {summary.get(f'qa2/{m}/best_f1', '')} |"
+        for m in modes)
+    bar_plot(out_dir / "abstention.png", modes,
+              [[summary[f"qa2/{m}/has_f1"] for m in modes], [summary[f"qa2/{m}/noans_acc"] for m in modes],
+               [summary[f"qa2/{m}/f1"] for m in modes]], ["HasAns F1", "NoAns accuracy", "overall F1"], "%",
+              f"{title}: abstention")
+    (out_dir / "report.md").write_text(
+        f"# {title}\n\nAnswers whose confidence is below the threshold are withheld (SQuAD 2.0 rules; in brackets, "
+        "HasAns F1 when every question is answered).\n\n| mode | n | threshold | HasAns F1 | NoAns acc | EM | F1 | "
+        f"best F1 |\n|---|---|---|---|---|---|---|---|\n{rows}\n\n![abstention](abstention.png)\n")

@@ -1,0 +1,1 @@
+"""The index: corpus -> passages -> CP keys in LanceDB + FAISS, and reading it back."""

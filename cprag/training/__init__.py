@@ -1,0 +1,1 @@
+"""CPLM training: examples, activation caches, batches, the loop and the recipe."""
