@@ -32,6 +32,8 @@ def read_markdown(path: Path) -> StructuredDocument:
     document = markdown_document(text)
     if not document.sections:
         raise UnreadableFile("no text (only images or markup)")
+    if not any(s.kind == "heading" and len(s.heading_path) == 1 for s in document.sections):
+        document.title = path.stem  # without a `# Title`, a README's first heading ("Installation") misleads
     return document
 
 

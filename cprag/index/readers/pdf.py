@@ -61,7 +61,7 @@ def _page_texts(path: Path) -> tuple[list[str], str]:
         texts = [page.extract_text() or "" for page in reader.pages]
         declared = reader.metadata.title if reader.metadata is not None else None
         return texts, clean_inline(declared) if isinstance(declared, str) else ""
-    except UnreadableFile:
+    except (UnreadableFile, OSError):  # OSError: the file itself cannot be opened, read_structured reports it
         raise
     except FileNotDecryptedError:
         raise UnreadableFile("encrypted PDF") from None
