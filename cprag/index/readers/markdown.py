@@ -32,8 +32,7 @@ def read_markdown(path: Path) -> StructuredDocument:
     document = markdown_document(text)
     if not document.sections:
         raise UnreadableFile("no text (only images or markup)")
-    if not any(s.kind == "heading" and len(s.heading_path) == 1 for s in document.sections):
-        document.title = path.stem  # without a `# Title`, a README's first heading ("Installation") misleads
+    document.title = document.title or path.stem  # without a `# Title`, its first heading ("Installation") misleads
     return document
 
 
@@ -44,13 +43,15 @@ def markdown_document(source: str) -> StructuredDocument:
     tokens = _parser().parse(source)
     list_stack: list[list[int]] = []  # per open list: [next number] for ordered lists, [] for bullets
     item_prefix = ""
+    title = ""
     index = 0
     while index < len(tokens):
         token = tokens[index]
         kind = token.type
         if kind == "heading_open":
-            title = _inline_text(tokens[index + 1])[0]
-            builder.heading(int(token.tag[1]), title, anchor=slugs.slug(title))
+            heading = _inline_text(tokens[index + 1])[0]
+            title = title or (heading if token.tag == "h1" else "")
+            builder.heading(int(token.tag[1]), heading, anchor=slugs.slug(heading))
             index += 3
             continue
         if kind in {"bullet_list_open", "ordered_list_open"}:
@@ -76,10 +77,8 @@ def markdown_document(source: str) -> StructuredDocument:
         elif kind == "table_open":
             index = _table(tokens, index, builder)
         index += 1
-    first_h1 = next((s for s in builder.sections if s.kind == "heading" and len(s.heading_path) == 1), None)
     document = builder.build("", {"format": "markdown"})
-    if first_h1 is not None:
-        document.title = document.section_text(first_h1)[:200]
+    document.title = title[:200]  # the first `# Title`, or "" for the caller to name
     return document
 
 
