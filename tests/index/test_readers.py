@@ -151,6 +151,10 @@ def test_folder_walk_reads_good_files_and_skips_each_bad_one_with_one_line_reaso
     writer.encrypt(user_password="secret", algorithm="RC4-128")
     with open(corpus_dir / "locked.pdf", "wb") as handle:
         writer.write(handle)
+    owner_only = pypdf.PdfWriter(clone_from=PDF)  # an empty user password: restrictions, not a lock
+    owner_only.encrypt(user_password="", owner_password="owner", algorithm="RC4-128")
+    with open(corpus_dir / "docs" / "owner-only.pdf", "wb") as handle:
+        owner_only.write(handle)
     blank = pypdf.PdfWriter()
     blank.add_blank_page(width=612, height=792)
     with open(corpus_dir / "scanned.pdf", "wb") as handle:
@@ -164,7 +168,8 @@ def test_folder_walk_reads_good_files_and_skips_each_bad_one_with_one_line_reaso
     corpus = read_corpus(corpus_dir)
 
     ids = sorted(d.id for d in corpus.documents)
-    assert ids == ["docs/selectolax-README.md", "docs/shared-mime-info-spec.pdf", "docs/tomllib.html", "notes.txt"]
+    assert ids == ["docs/owner-only.pdf", "docs/selectolax-README.md", "docs/shared-mime-info-spec.pdf",
+                   "docs/tomllib.html", "notes.txt"]
     reasons = {Path(s.source).name: s.reason for s in corpus.skipped}
     assert set(reasons) == {"truncated.pdf", "not-really.pdf", "locked.pdf", "scanned.pdf", "empty.html",
                             "chrome-only.html", "random.md", "image.html"}
@@ -178,7 +183,7 @@ def test_folder_walk_reads_good_files_and_skips_each_bad_one_with_one_line_reaso
     # .txt keeps today's document exactly; structured ones carry sections, format and a PDF's page count
     notes = next(d for d in corpus.documents if d.id == "notes.txt")
     assert (notes.title, notes.metadata, notes.sections) == ("Plain notes.", {"path": "notes.txt"}, None)
-    pdf = next(d for d in corpus.documents if d.id.endswith(".pdf"))
+    pdf = next(d for d in corpus.documents if d.id.endswith("spec.pdf"))
     assert pdf.metadata == {"path": "docs/shared-mime-info-spec.pdf", "format": "pdf", "pages": 17}
 
     only_html = read_corpus(corpus_dir, glob="**/*.html")
