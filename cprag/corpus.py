@@ -116,7 +116,10 @@ def _decode_text(raw: bytes) -> str | None:
 
 
 def _read_folder(root: Path, skipped: list[Skipped], glob: str | None = None) -> Iterator[Document]:
-    found = sorted(p for p in (root.glob(glob) if glob else root.rglob("*")) if p.is_file())
+    try:
+        found = sorted(p for p in (root.glob(glob) if glob else root.rglob("*")) if p.is_file())
+    except (ValueError, NotImplementedError) as error:  # an empty or absolute pattern
+        raise CorpusError(str(root), f"unusable glob {glob!r}: {error}") from None
     if glob:  # files the user named by pattern are reported when unreadable, not silently passed over
         skipped.extend(Skipped(str(p), f"unsupported file type {p.suffix or '(no suffix)'}") for p in found
                        if p.suffix.lower() not in FOLDER_SUFFIXES)

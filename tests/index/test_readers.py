@@ -12,6 +12,7 @@ import pypdf
 import pytest
 
 from cprag.corpus import Document, read_corpus, split_document
+from cprag.errors import CorpusError
 from cprag.index.readers import UnreadableFile, read_structured
 from cprag.index.structured_passages import locate, structured_passages
 
@@ -190,6 +191,8 @@ def test_folder_walk_reads_good_files_and_skips_each_bad_one_with_one_line_reaso
     assert [d.id for d in only_html.documents] == ["docs/tomllib.html"]
     assert sorted(Path(s.source).name for s in only_html.skipped) == ["chrome-only.html", "empty.html", "image.html"]
     assert [d.id for d in read_corpus(corpus_dir / "docs" / "tomllib.html").documents] == ["tomllib.html"]
+    with pytest.raises(CorpusError, match="unusable glob"):
+        read_corpus(corpus_dir, glob="/etc/*.html")
 
 
 def test_split_document_cuts_structured_documents_into_located_passages(tmp_path):
