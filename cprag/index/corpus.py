@@ -1,4 +1,4 @@
-"""Reading corpora (JSONL, folders of .txt/.md, SQuAD JSON) and splitting documents into passages that fit.
+"""Reading corpora (JSONL, SQuAD JSON, folders of .txt/.md/.html/.pdf) and splitting documents into passages that fit.
 
 Bad records never stop a run: empty, binary or non-UTF-8 files, invalid JSON lines, ids that are neither strings
 nor integers, text with NUL characters and documents over MAX_DOCUMENT_CHARS are skipped and reported. A corpus
@@ -15,7 +15,9 @@ from pathlib import Path
 
 from cprag.errors import CorpusError
 
-TEXT_SUFFIXES = {".txt", ".md"}
+TEXT_SUFFIXES = {".txt"}  # read as they are, as ever; the rest go through cprag.index.readers
+STRUCTURED_SUFFIXES = {".md", ".markdown", ".html", ".htm", ".pdf"}
+FOLDER_SUFFIXES = TEXT_SUFFIXES | STRUCTURED_SUFFIXES
 # about 2.5M tokens, 35 minutes of encoding on 2 cores: a larger single document is almost always a mistake
 # (a whole dump on one line), and a user who means it can split it into files
 MAX_DOCUMENT_CHARS = 10_000_000
@@ -28,10 +30,16 @@ class Document:
     title: str = ""
     metadata: dict = field(default_factory=dict)
     source: str = field(default="", compare=False, repr=False)  # FILE:LINE, for messages
+    # cprag.index.readers Sections of a PDF/HTML/Markdown file; kept out of `metadata`, which every stored
+    # passage row copies
+    sections: list | None = field(default=None, compare=False, repr=False)
 
     @property
     def content_hash(self) -> str:
-        payload = json.dumps([self.title, self.text, self.metadata], sort_keys=True, ensure_ascii=False)
+        fields = [self.title, self.text, self.metadata]
+        if self.sections:  # a new cut of the same text is a new document; sectionless hashes stay as they were
+            fields.append([section.to_list() for section in self.sections])
+        payload = json.dumps(fields, sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -55,24 +63,31 @@ class Passage:
     text: str
     char_start: int  # offset of the passage in its document's text
     doc_hash: str
+    kind: str = "prose"  # "prose", "code", "table" or "links" (structured documents)
+    page: int | None = None  # 1-based PDF page where the passage starts
+    anchor: str | None = None  # HTML id or Markdown slug of the passage's nearest heading
 
 
-def read_corpus(path: str | Path) -> Corpus:
-    """Documents from a JSONL file, a SQuAD JSON file, or a folder of .txt/.md files (recursively)."""
+def read_corpus(path: str | Path, glob: str | None = None) -> Corpus:
+    """Documents from a JSONL file, a SQuAD JSON file, one document file, or a folder of .txt/.md/.markdown/.html/
+    .htm/.pdf files (recursively, or those `glob` matches relative to the folder, e.g. `**/*.html`)."""
     path = Path(path)
     if not path.exists():
         raise CorpusError(str(path), "no such file or directory")
+    if glob is not None and not path.is_dir():
+        raise CorpusError(str(path), f"a glob ({glob!r}) selects files in a folder, and this is a file")
     skipped: list[Skipped] = []
     if path.is_dir():
-        documents = list(_read_folder(path, skipped))
+        documents = list(_read_folder(path, skipped, glob))
     elif path.suffix == ".jsonl":
         documents = list(_read_jsonl(path, skipped))
     elif path.suffix == ".json":
         documents = _read_json(path, skipped)
-    elif path.suffix in TEXT_SUFFIXES:
-        documents = list(_read_folder_files([path], path.parent, skipped))
+    elif path.suffix.lower() in FOLDER_SUFFIXES:
+        documents = list(_read_files([path], path.parent, skipped))
     else:
-        raise CorpusError(str(path), "expected a .jsonl or SQuAD .json file, or a folder of .txt/.md files")
+        raise CorpusError(str(path), "expected a .jsonl or SQuAD .json file, a .txt/.md/.html/.pdf file, or a folder "
+                          "of them")
     _refuse_duplicates(path, documents)
     return Corpus(documents=documents, skipped=skipped)
 
@@ -100,9 +115,28 @@ def _decode_text(raw: bytes) -> str | None:
         return None
 
 
-def _read_folder(root: Path, skipped: list[Skipped]) -> Iterator[Document]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-    yield from _read_folder_files(files, root, skipped)
+def _read_folder(root: Path, skipped: list[Skipped], glob: str | None = None) -> Iterator[Document]:
+    try:
+        found = sorted(p for p in (root.glob(glob) if glob else root.rglob("*")) if p.is_file())
+    except (ValueError, NotImplementedError) as error:  # an empty or absolute pattern
+        raise CorpusError(str(root), f"unusable glob {glob!r}: {error}") from None
+    if glob:  # files the user named by pattern are reported when unreadable, not silently passed over
+        skipped.extend(Skipped(str(p), f"unsupported file type {p.suffix or '(no suffix)'}") for p in found
+                       if p.suffix.lower() not in FOLDER_SUFFIXES)
+    yield from _read_files([p for p in found if p.suffix.lower() in FOLDER_SUFFIXES], root, skipped)
+
+
+def _read_files(files: list[Path], root: Path, skipped: list[Skipped]) -> Iterator[Document]:
+    """Each file by its suffix, in the given order: .txt as it is, the others through cprag.index.readers."""
+    for file in files:
+        if file.suffix.lower() in TEXT_SUFFIXES:
+            yield from _read_folder_files([file], root, skipped)
+        else:
+            from cprag.index.structured_corpus import read_structured_file  # imports the readers only when needed
+
+            document = read_structured_file(file, root, skipped, MAX_DOCUMENT_CHARS)
+            if document is not None:
+                yield document
 
 
 def _read_folder_files(files: list[Path], root: Path, skipped: list[Skipped]) -> Iterator[Document]:
@@ -204,7 +238,14 @@ def _read_squad(path: Path, data) -> list[Document]:
 
 
 def split_document(document: Document, tokenizer, max_tokens: int) -> list[Passage]:
-    """Cut a document into passages of at most `max_tokens` tokens, preferring sentence ends, with offsets."""
+    """Cut a document into passages of at most `max_tokens` tokens, preferring sentence ends, with offsets.
+
+    A document read with sections (PDF, HTML, Markdown) is cut at its structure instead: cprag.index.structured_corpus.
+    """
+    if document.sections:
+        from cprag.index.structured_corpus import structured_split
+
+        return structured_split(document, tokenizer, max_tokens)
     encoded = tokenizer(document.text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     doc_hash = document.content_hash

@@ -38,7 +38,7 @@ def test_folder_of_text_and_markdown_skips_empty_binary_and_non_utf8(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02binary")
     (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
-    (tmp_path / "ignored.pdf").write_bytes(b"%PDF")
+    (tmp_path / "ignored.docx").write_bytes(b"PK\x03\x04")
     corpus = read_corpus(tmp_path)
     assert sorted(d.id for d in corpus.documents) == ["one.txt", "sub/two.md"]
     assert next(d for d in corpus.documents if d.id == "sub/two.md").title == "Second"
