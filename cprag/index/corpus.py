@@ -7,13 +7,12 @@ whose ids repeat is refused whole: which of two records to keep is the user's ca
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cprag.errors import CorpusError
+from cprag.index.documents import Corpus, Document, Passage, Skipped
 
 TEXT_SUFFIXES = {".txt"}  # read as they are, as ever; the rest go through cprag.index.readers
 STRUCTURED_SUFFIXES = {".md", ".markdown", ".html", ".htm", ".pdf"}
@@ -21,51 +20,6 @@ FOLDER_SUFFIXES = TEXT_SUFFIXES | STRUCTURED_SUFFIXES
 # about 2.5M tokens, 35 minutes of encoding on 2 cores: a larger single document is almost always a mistake
 # (a whole dump on one line), and a user who means it can split it into files
 MAX_DOCUMENT_CHARS = 10_000_000
-
-
-@dataclass
-class Document:
-    id: str
-    text: str
-    title: str = ""
-    metadata: dict = field(default_factory=dict)
-    source: str = field(default="", compare=False, repr=False)  # FILE:LINE, for messages
-    # cprag.index.readers Sections of a PDF/HTML/Markdown file; kept out of `metadata`, which every stored
-    # passage row copies
-    sections: list | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def content_hash(self) -> str:
-        fields = [self.title, self.text, self.metadata]
-        if self.sections:  # a new cut of the same text is a new document; sectionless hashes stay as they were
-            fields.append([section.to_list() for section in self.sections])
-        payload = json.dumps(fields, sort_keys=True, ensure_ascii=False)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-@dataclass
-class Skipped:
-    source: str
-    reason: str
-
-
-@dataclass
-class Corpus:
-    documents: list[Document]
-    skipped: list[Skipped]
-
-
-@dataclass
-class Passage:
-    passage_id: str  # DOC_ID, or DOC_ID@N when a document is split
-    doc_id: str
-    title: str
-    text: str
-    char_start: int  # offset of the passage in its document's text
-    doc_hash: str
-    kind: str = "prose"  # "prose", "code", "table" or "links" (structured documents)
-    page: int | None = None  # 1-based PDF page where the passage starts
-    anchor: str | None = None  # HTML id or Markdown slug of the passage's nearest heading
 
 
 def read_corpus(path: str | Path, glob: str | None = None) -> Corpus:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cprag.corpus import Document, Passage, Skipped
+from cprag.index.documents import Document, Passage, Skipped
 from cprag.index.readers import StructuredDocument, UnreadableFile, read_structured
 from cprag.index.structured_passages import structured_passages
 
