@@ -6,7 +6,7 @@ CPRAG := $(VENV)/bin/cprag
 STAMP := $(VENV)/.cprag-installed
 DEMO_INDEX := indexes/demo
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check cprag tests pipelines eval
 	$(PY) -m pytest
+
+# docs/cli.md: every command's --help (tests/cli/test_cli_docs.py fails when it is stale)
+docs: $(STAMP)
+	$(PY) -m cprag.cli.docs
 
 clean:
 	rm -rf $(VENV) $(DEMO_INDEX)

@@ -5,20 +5,21 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from cprag.decoding.batched import batch_supported, generate_batch
-from cprag.decoding.generate import MODES, Citation, generate
 from cprag.decoding.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
-from cprag.decoding.prompt import prompt_ids
+from cprag.decoding.prompt import MODES, prompt_ids
 from cprag.decoding.prompt_prefix import PromptPrefix, prompt_prefix
 from cprag.decoding.rerank import RERANKER_FILE, StartReranker, check_start_beam, default_start_beam
+from cprag.decoding.results import Citation
+from cprag.decoding.route import decode_questions
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.index.key_cache import KEY_CACHE_DTYPE, KeyCache
 from cprag.index.reader import open_snapshot
 from cprag.index.retrieve import MiniLMEmbedder
 from cprag.index.store import check_model, directory_bytes, read_manifest
+from cprag.index.structured_passages import locate
 from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
 from cprag.model.config import check_end_bias
 from cprag.model.runtime import default_device, place, resolve_dtype
@@ -26,7 +27,7 @@ from cprag.model.runtime import default_device, place, resolve_dtype
 # below this top-1 retrieval score (cosine, all-MiniLM-L6-v2) the corpus is taken to hold nothing on the question
 # and the answer is withheld before decoding. The rule: the highest multiple of 0.05 below which at most 0.5% of
 # in-corpus questions fall; on 2,818 SQuAD dev questions whose article is indexed 0.25% fall below 0.25, and 15.5%
-# of 2,847 questions whose article is not (eval/retrieval_floor.py, eval/retrieval-floor/)
+# of 2,847 questions whose article is not (eval/scripts/retrieval_floor.py, eval/retrieval-floor/)
 MIN_RETRIEVAL_SCORE = 0.25
 # first tokens decoded per question (`--start-beam`): None means the checkpoint's default, the beam its start
 # reranker was fitted for (cprag.decoding.rerank.default_start_beam; greedy without one, and always greedy when
@@ -176,41 +177,26 @@ class Index:
                                          timings_ms={name: round(ms, 1) for name, ms in timings.items()})
             else:
                 pending.append((number, passages, read, timings, [h.score for h in found]))
-        # batched: one continuous batch of at most batch_size questions (each start_beam rows), refilled as answers
-        # finish; a start beam decodes its alternatives as rows of one batch even for one question
-        batched = batch_supported(self.model, mode) and (
-            (start_beam == 1 and (batch_size > 1 or streaming)) or (start_beam > 1 and not streaming))
-        step = len(pending) if batched else 1
-        for first in range(0, len(pending), max(step, 1)):
-            group = pending[first : first + step]
-            tick = time.perf_counter()
-            if batched:
-                numbers = [n for n, *_ in group]
-                generations = generate_batch(
-                    self.model, self.tokenizer, [questions[n] for n in numbers], [p for _, p, *_ in group],
-                    max_new_tokens, min_confidence=threshold, prefix=self.prefix, max_rows=batch_size * start_beam,
-                    start_beam=start_beam, reranker=self.reranker,
-                    passage_scores=[scores for *_, scores in group], passage_prior=weight, end_bias=end_bias,
-                    on_token=None if on_token is None else
-                    lambda row, token, source, numbers=numbers: on_token(numbers[row], token, source),
-                    cancelled=None if cancelled is None else lambda row, numbers=numbers: cancelled(numbers[row]))
-            else:
-                generations = [generate(self.model, self.tokenizer, questions[n], p, mode, max_new_tokens,
-                                        min_confidence=threshold, start_beam=start_beam, reranker=self.reranker,
-                                        prefix=self.prefix, passage_scores=scores, passage_prior=weight,
-                                        end_bias=end_bias)
-                               for n, p, *_, scores in group]
-            generate_ms = (time.perf_counter() - tick) * 1000 / len(group)  # the batch's time, shared evenly
-            for (number, _, read, timings, _), generation in zip(group, generations, strict=True):
-                timings["generate"] = generate_ms
-                timings["total"] = sum(timings.values())
-                answers[number] = Answer(
-                    question=questions[number], answer=generation.answer, mode=mode,
-                    citations=generation.citations, passages=read, copy_rate=round(generation.copy_rate, 3),
-                    confidence=None if generation.confidence is None else round(generation.confidence, 4),
-                    no_answer=generation.no_answer, no_answer_reason="confidence" if generation.no_answer else None,
-                    timings_ms={name: round(ms, 1) for name, ms in timings.items()},
-                )
+        # the route (cprag.decoding.route): batched, one continuous batch of at most batch_size questions (each
+        # start_beam rows) refilled as answers finish, or one question at a time
+        decoded = decode_questions(
+            self.model, self.tokenizer, [questions[n] for n, *_ in pending], [p for _, p, *_ in pending], mode,
+            max_new_tokens, batch_size=batch_size, start_beam=start_beam, min_confidence=threshold,
+            reranker=self.reranker, prefix=self.prefix, passage_scores=[scores for *_, scores in pending],
+            passage_prior=weight, end_bias=end_bias,
+            on_token=None if on_token is None else lambda row, token, source: on_token(pending[row][0], token, source),
+            cancelled=None if cancelled is None else lambda row: cancelled(pending[row][0]))
+        for (number, passages, read, timings, _), (generation, generate_ms) in zip(pending, decoded, strict=True):
+            timings["generate"] = generate_ms
+            timings["total"] = sum(timings.values())
+            answers[number] = Answer(
+                question=questions[number], answer=generation.answer, mode=mode,
+                citations=placed(generation.citations, passages), passages=read,
+                copy_rate=round(generation.copy_rate, 3),
+                confidence=None if generation.confidence is None else round(generation.confidence, 4),
+                no_answer=generation.no_answer, no_answer_reason="confidence" if generation.no_answer else None,
+                timings_ms={name: round(ms, 1) for name, ms in timings.items()},
+            )
         return answers
 
     def check_questions(self, questions, mode="hidden", min_confidence=None, min_retrieval_score=MIN_RETRIEVAL_SCORE,
@@ -237,6 +223,20 @@ class Index:
             if needed > self.model.config.max_position_embeddings:
                 raise QuestionTooLong(needed, self.model.config.max_position_embeddings)
         return threshold
+
+
+def placed(citations: list[Citation], passages: list) -> list[Citation]:
+    """The citations with the page and anchor of the original file where each copied span starts, from the
+    read passages (`DevicePassage`s) of its document: the one holding the span's first character."""
+    by_doc: dict[str, list] = {}
+    for entry in passages:
+        by_doc.setdefault(entry.passage.doc_id, []).append(entry.passage)
+    result = []
+    for citation in citations:
+        stored = sorted(by_doc.get(citation.doc_id, []), key=lambda p: p.char_start)
+        page, anchor = locate(stored, citation.start)
+        result.append(replace(citation, page=page, anchor=anchor))
+    return result
 
 
 def load_reranker(checkpoint: str | Path | None, model_config) -> StartReranker | None:

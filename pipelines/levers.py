@@ -25,14 +25,14 @@ BASE = TrainConfig()
 
 
 def six_blocks(**change) -> dict:
-    """The recipe before session 31 (adapters on blocks 24-29 over a cache of blocks 0-23), which the table's
+    """The previous default recipe (adapters on blocks 24-29 over a cache of blocks 0-23), which the table's
     other rows changed one setting of."""
     return {"cache_layer": 24, "head": {**BASE.head, "adapter_layers": list(range(24, 30)), **change}}
 
 
 VARIANTS: dict[str, dict] = {
     "default: adapters on blocks 18-29, all training questions, bf16": {},
-    "adapters on blocks 24-29 (the default before session 31)": six_blocks(),
+    "adapters on blocks 24-29 (the previous default)": six_blocks(),
     "frozen backbone (no adapters: the stop-gradient ablation)": six_blocks(adapter_layers=None),
     # capacity: 4 times the rank at the same per-component scale (alpha / rank = 2)
     "adapters rank 64 on blocks 24-29": six_blocks(adapter_rank=64, adapter_alpha=128.0),

@@ -468,9 +468,9 @@ def test_entry_choice_follows_the_surest_entry_where_the_mixture_sums_a_spread_t
     mixture = generator.clone().index_add_(0, entry_ids, gate * attention)
     step = Step(log_probs=mixture.log(), log_gate=torch.tensor(gate).log(), copy_log_attention=attention.log())
     assert int(mixture.argmax()) == spread  # the marginal favours the token spread over three entries
-    assert best_derivation(step, entry_ids, memory) == (single, 3)
+    assert best_derivation(step, entry_ids, memory.size) == (single, 3)
     shut = Step(log_probs=generator.log(), log_gate=torch.tensor(1e-6).log(), copy_log_attention=attention.log())
-    token, entry = best_derivation(shut, entry_ids, memory)
+    token, entry = best_derivation(shut, entry_ids, memory.size)
     assert entry is None and 0 <= token < vocab  # a shut gate leaves the generator's token
 
 

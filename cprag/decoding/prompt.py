@@ -4,6 +4,9 @@ from __future__ import annotations
 
 SYSTEM = "Answer the question with a short phrase."
 
+# hidden: the passages as CP keys only; visible: the passages in the prompt; closed: no passages
+MODES = ("hidden", "visible", "closed")
+
 
 def _messages(question: str, passages: list[str] | None) -> list[dict]:
     content = question

@@ -12,8 +12,8 @@ span-level view adds to its probabilities:
   answer rarely does), its length, whether it holds a digit or a capitalised word (per question type), whether it
   comes from the same passage as the greedy answer and overlaps it.
 
-The weights are fitted on training-file questions the checkpoint never trained on (`eval/rerank/fit.py`) and ship
-beside the checkpoint as `reranker.json`. Format 1 is linear; format 2 adds an optional hidden layer (GELU), which
+The weights are fitted on training-file questions the checkpoint never trained on (`eval/scripts/rerank_fit.py`) and
+ship beside the checkpoint as `reranker.json`. Format 1 is linear; format 2 adds an optional hidden layer (GELU), which
 interactions like "a digit, for a when-question, far from the question's words" need.
 """
 

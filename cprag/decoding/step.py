@@ -1,6 +1,9 @@
-"""One decoding step, read: the next token's distribution and the copy attention behind it, and the helpers
-that both decoders (`cprag.decoding.generate`, one question; `cprag.decoding.batched`, many) choose tokens and credit
-sources with."""
+"""One decoding step, read: the next token's distribution and the copy attention behind it, and what a step says
+about a token (which memory entry it was copied from, how sure the copy path is of it) for both decoders.
+
+A row's memory is read as `memory_ids` (M,), the token each external entry pastes (a batch row's padded to the
+batch's memory, its padding masked so it never wins); copy attention is ordered [external ; "end here" twins ;
+own context]."""
 
 from __future__ import annotations
 
@@ -9,24 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cprag.index.key_cache import DevicePassage
-from cprag.model.copy_head import CopyMemory
 from cprag.model.mixture import NEG_INF
 
 LOG_HALF = math.log(0.5)
-
-
-def shared_memory(passages: list[DevicePassage], dtype: torch.dtype | None = None
-                  ) -> tuple[CopyMemory | None, torch.Tensor, torch.Tensor]:
-    """One memory over all passages (keys in `dtype`, the CP head's; default: as cached), plus per entry its
-    passage index and token position."""
-    if not passages:
-        return None, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-    keys = torch.cat([p.keys for p in passages]).unsqueeze(0).to(dtype)  # (1, M, D)
-    ids = torch.cat([p.ids for p in passages]).unsqueeze(0)  # (1, M)
-    owner = torch.cat([torch.full((len(p.ids),), i, dtype=torch.long) for i, p in enumerate(passages)])
-    position = torch.cat([torch.arange(len(p.ids)) for p in passages])
-    return CopyMemory(keys=keys, ids=ids), owner, position
 
 
 @dataclass
@@ -42,13 +30,14 @@ class Step:
         return cls(out.log_probs[0, position], out.log_gate[0, position], out.copy_log_attention[0, position])
 
 
-def best_derivation(step: Step, entry_ids: torch.Tensor, memory: CopyMemory | None) -> tuple[int, int | None]:
+def best_derivation(step: Step, entry_ids: torch.Tensor, external: int) -> tuple[int, int | None]:
     """The single most probable way to produce the next token: one copy entry (mass g * a_j), or the generator's
     best token (its share of the mixture). Returns (token, external entry or None).
 
     The mixture sums the mass of every entry that pastes the same token, which favours tokens that occur often
     (" the") over the one entry the head is surest of; choosing a derivation keeps to that entry.
-    entry_ids (E + P,): the token each copy entry pastes, in `copy_log_attention` order.
+    entry_ids (E + P,): the token each copy entry pastes, in `copy_log_attention` order; `external`: how many of
+    them are memory entries (the rest are "end here" twins and the own context, never a source).
     """
     log_copy = step.log_gate + step.copy_log_attention  # (E + P,)
     copy_mass = torch.zeros_like(step.log_probs).index_add_(0, entry_ids, log_copy.exp())
@@ -56,19 +45,19 @@ def best_derivation(step: Step, entry_ids: torch.Tensor, memory: CopyMemory | No
     entry = int(log_copy.argmax())
     if float(log_copy[entry].exp()) < float(generator.max()):
         return int(generator.argmax()), None
-    external = memory.size if memory is not None else 0
     return int(entry_ids[entry]), entry if entry < external else None
 
 
-def step_entry_ids(model, memory: CopyMemory | None, context, width: int) -> torch.Tensor:
+def step_entry_ids(model, memory_ids: torch.Tensor | None, context_ids: torch.Tensor, width: int) -> torch.Tensor:
     """(E + P,) the token each entry of a step's copy attention pastes: external entries (then their "end here"
-    twins) followed by the own context, whose entry j pastes token j + 1."""
+    twins) followed by the own context (`context_ids` (P,), the tokens seen so far), whose entry j pastes token
+    j + 1."""
     parts = []
-    if memory is not None:
-        parts.append(memory.ids[0])
+    if memory_ids is not None:
+        parts.append(memory_ids)
         if model.cp_head.end_q_proj is not None:
-            parts.append(torch.full_like(memory.ids[0], model.config.end_id))
-    own = context.ids[0]
+            parts.append(torch.full_like(memory_ids, model.config.end_id))
+    own = context_ids
     parts.append(torch.cat([own[1:], own.new_zeros(1)]))
     ids = torch.cat(parts)[:width]
     # positions a rewind dropped are later than the step, so masked: any id will do
@@ -99,19 +88,19 @@ def with_end_bias(step: Step, stop: set[int], bias: float, entry_ids: torch.Tens
     return Step(log_probs, step.log_gate, attention)
 
 
-def first_token_confidence(step: Step, memory: CopyMemory, token: int) -> float:
+def first_token_confidence(step: Step, memory_ids: torch.Tensor, token: int) -> float:
     """g · Σ a_j over the passage entries that paste `token` (not their "end here" twins): how much of the first
     answer token's probability the copy path gives from the passages."""
-    log_a = step.copy_log_attention[: memory.size].masked_fill(memory.ids[0] != token, NEG_INF)
+    log_a = step.copy_log_attention[: len(memory_ids)].masked_fill(memory_ids != token, NEG_INF)
     return float((step.log_gate + torch.logsumexp(log_a, -1)).exp())
 
 
-def copied_source(step: Step, token: int, memory: CopyMemory | None) -> int | None:
+def copied_source(step: Step, token: int, memory_ids: torch.Tensor | None) -> int | None:
     """The memory entry a token was copied from, when the copy path gave it more mass than the generator."""
-    if memory is None:
+    if memory_ids is None:
         return None
-    log_a = step.copy_log_attention[: memory.size]
-    same = memory.ids[0] == token
+    log_a = step.copy_log_attention[: len(memory_ids)]
+    same = memory_ids == token
     if not bool(same.any()):
         return None
     masked = log_a.masked_fill(~same, NEG_INF)

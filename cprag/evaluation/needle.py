@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cprag.decoding.batched import generate_batch
 from cprag.decoding.prompt import prompt_ids
+from cprag.decoding.route import decode_questions
 from cprag.index.encode import PassageKeys, TokenizedPassage, encode_passages
 from cprag.index.key_cache import KEY_CACHE_DTYPE, DevicePassage
 from cprag.index.store import StoredPassage
@@ -186,9 +186,9 @@ def run_needle(model, tokenizer, lengths: list[int], depths: list[float], trials
                         scores = keys.scores(haystack) if passage_prior > 0 else None
                     else:
                         passages = visible_passage(tokenizer, haystack, window, reserve=16, end_id=model.config.end_id)
-                    answer = generate_batch(model, tokenizer, [QUESTION], [passages], 12, mode=mode,
-                                            passage_scores=[scores], passage_prior=passage_prior,
-                                            start_beam=start_beam, reranker=reranker)[0].answer
+                    answer = decode_questions(model, tokenizer, [QUESTION], [passages], mode, 12,
+                                              start_beam=start_beam, passage_scores=[scores],
+                                              passage_prior=passage_prior, reranker=reranker)[0][0].answer
                     result = {"mode": mode, "length": length, "depth": depth, "trial": trial, "number": number,
                               "answer": answer, "correct": number in answer.replace(",", "").split()
                               or answer.strip(" .") == number, "tokens": haystack.length,

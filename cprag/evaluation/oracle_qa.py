@@ -4,15 +4,13 @@ closed mode, scored with the official SQuAD EM/F1. Shared by training (validatio
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cprag.decoding.batched import batch_supported, generate_batch
-from cprag.decoding.generate import generate
 from cprag.decoding.prompt_prefix import prompt_prefix
+from cprag.decoding.route import decode_questions
 from cprag.evaluation.metrics import squad2_question_scores
 from cprag.evaluation.squad import QAExample, article_of
 from cprag.index.encode import PassageKeys, encode_passages, tokenize_passage
@@ -115,35 +113,21 @@ def evaluate_oracle(
     chosen = [oracle_passage_ids(example, all_ids, distractors, rng) for example in examples]  # the seeded draws
     scores = (retrieval_scores([e.question for e in examples], chosen, passages, memory.device)
               if passage_prior > 0 else [None] * len(examples))
-    batched = (batch_size > 1 or start_beam > 1) and choose == "token" and batch_supported(model, "hidden")
-    results, ahead = [], 0
-    for first in range(0, len(examples), batch_size if batched else 1):
-        group = list(range(first, min(first + (batch_size if batched else 1), len(examples))))
+    results, ahead, step = [], 0, max(batch_size, 1)
+    for first in range(0, len(examples), step):
+        group = list(range(first, min(first + step, len(examples))))
         if first >= ahead:  # the next questions' passages in full encoding batches, not a few at a time
             ahead = first + PREFETCH_QUESTIONS
             memory.get(sorted({pid for ids in chosen[first:ahead] for pid in ids}))
         shards = {i: memory.get(chosen[i]) for i in group}
         by_mode: dict[str, list[tuple[object, float]]] = {}
-        for mode in modes:
-            if batched and mode == "hidden":
-                tick = time.perf_counter()
-                generations = generate_batch(model, tokenizer, [examples[i].question for i in group],
-                                             [shards[i] for i in group], max_new_tokens,
-                                             min_confidence=min_confidence, prefix=prefix,
-                                             passage_scores=[scores[i] for i in group], passage_prior=passage_prior,
-                                             end_bias=end_bias, start_beam=start_beam, reranker=reranker)
-                share = (time.perf_counter() - tick) * 1000 / len(group)
-                by_mode[mode] = [(g, share) for g in generations]
-                continue
-            by_mode[mode] = []
-            for i in group:
-                tick = time.perf_counter()
-                generation = generate(model, tokenizer, examples[i].question,
-                                      shards[i] if mode != "closed" else [], mode, max_new_tokens, choose=choose,
-                                      min_confidence=min_confidence, start_beam=start_beam, reranker=reranker,
-                                      prefix=prefix, passage_scores=scores[i], passage_prior=passage_prior,
-                                      end_bias=end_bias)
-                by_mode[mode].append((generation, (time.perf_counter() - tick) * 1000))
+        for mode in modes:  # the route decides: hidden questions batched, the baselines one at a time
+            by_mode[mode] = decode_questions(
+                model, tokenizer, [examples[i].question for i in group],
+                [shards[i] if mode != "closed" else [] for i in group], mode, max_new_tokens,
+                batch_size=batch_size, start_beam=start_beam, choose=choose, min_confidence=min_confidence,
+                prefix=prefix, passage_scores=[scores[i] for i in group], passage_prior=passage_prior,
+                end_bias=end_bias, reranker=reranker)
         for position, i in enumerate(group):
             example = examples[i]
             for mode in modes:

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cprag.index.key_codec import PQ_CENTROIDS, PQ_FILE, PQ_SUBVECTORS, Codec, PQCodebook, bytes_per_key
-from cprag.index.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, PassageIndex, faiss_files_for
+from cprag.index.key_codec import PQ_CENTROIDS, PQ_SUBVECTORS, Codec, PQCodebook, bytes_per_key
+from cprag.index.layout import IndexLayout, faiss_files_for
+from cprag.index.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, PassageIndex
 from cprag.index.store import FORMAT_VERSION, PassageStore, directory_bytes, now, passage_schema, write_manifest
 
 EMBEDDING_DIM = 384
@@ -61,7 +62,8 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
     if key_codec == "pq":  # a random codebook: fetches decode random codes through it, as a real index's would
         stored_codec = PQCodebook(rng.standard_normal((PQ_SUBVECTORS, PQ_CENTROIDS, key_dim // PQ_SUBVECTORS))
                                   .astype(np.float32))
-        stored_codec.save(directory / PQ_FILE)
+        layout = IndexLayout(directory)
+        stored_codec.save(layout.pq_codebook, layout.pq_codebook_staging)
     store = PassageStore(directory, EMBEDDING_DIM, create=True, key_codec=stored_codec)
     schema = passage_schema(EMBEDDING_DIM)
     started, embeddings = time.perf_counter(), []
@@ -82,6 +84,7 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
             "token_ids": [row.astype("<i4").tobytes() for row in ids], "offsets": [row.tobytes() for row in spans],
             "keys": [_random_keys(rng, tokens, key_dim, key_codec) for _ in range(count)],
             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), EMBEDDING_DIM),
+            "kind": ["prose"] * count, "page": pa.nulls(count, pa.int32()), "anchor": pa.nulls(count, pa.string()),
         }, schema=schema)
         store.table.add(table)
         if on_progress:

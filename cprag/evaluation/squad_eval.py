@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cprag.decoding.generate import MODES
 from cprag.decoding.passage_prior import check_weight
+from cprag.decoding.prompt import MODES
 from cprag.decoding.rerank import check_start_beam, default_start_beam
 from cprag.errors import ConfigError
 from cprag.evaluation.metrics import squad2_question_scores

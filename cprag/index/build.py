@@ -15,19 +15,12 @@ import numpy as np
 from cprag.errors import ConfigError, CorpusError, DiskFull, IndexCorrupt
 from cprag.index.corpus import Passage, Skipped, read_corpus, split_document
 from cprag.index.encode import encode_passages, tokenize_passage
-from cprag.index.key_codec import PQ_FILE, PQ_TRAIN_KEYS, Codec, PQCodebook, codec_name, decode_keys, encode_keys
+from cprag.index.key_codec import PQ_TRAIN_KEYS, Codec, PQCodebook, codec_name, decode_keys, encode_keys
+from cprag.index.layout import PQ_CODEBOOK, IndexLayout, faiss_files_for
 from cprag.index.lock import WriteLock
-from cprag.index.retrieve import (
-    APPROXIMATE_ABOVE,
-    COMPRESSED_ABOVE,
-    FAISS_GLOBS,
-    PassageIndex,
-    faiss_files_for,
-    passage_text_for_retrieval,
-)
+from cprag.index.retrieve import APPROXIMATE_ABOVE, COMPRESSED_ABOVE, PassageIndex, passage_text_for_retrieval
 from cprag.index.store import (
     FORMAT_VERSION,
-    MANIFEST,
     REBUILD,
     PassageStore,
     check_model,
@@ -55,6 +48,7 @@ class IndexConfig:
     approximate_above: int = APPROXIMATE_ABOVE  # passages above which FAISS is an IVF (cprag.index.retrieve)
     compressed_above: int = COMPRESSED_ABOVE  # passages above which the IVF's vectors are 8-bit
     pq_subvectors: int | None = None  # --keys pq: one-byte codes per key (None: cprag.index.key_codec.pq_subvectors)
+    glob: str | None = None  # --glob: the corpus folder's files to read, e.g. "**/*.html" (None: every readable one)
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
@@ -123,7 +117,7 @@ def build_index(
     if config.max_passage_tokens >= window:
         raise ConfigError("--max-passage-tokens", config.max_passage_tokens, f"must be below the window ({window})")
     fingerprint = fingerprint or model_fingerprint(model)
-    documents_read = read_corpus(corpus)  # raises before anything stored is touched
+    documents_read = read_corpus(corpus, glob=config.glob)  # raises before anything stored is touched
     if not documents_read.documents:
         raise CorpusError(str(corpus), f"no readable documents ({len(documents_read.skipped)} skipped)")
     with WriteLock(index_dir):
@@ -145,9 +139,56 @@ def _disk_full(error: BaseException) -> bool:
     return "No space left on device" in text or "os error 28" in text
 
 
+@dataclass
+class _Plan:
+    """What one run writes: the corpus's passages, those to encode (new or changed), and the stored rows to drop."""
+
+    passages: list[Passage]
+    metadata: dict[str, dict]  # document id -> its metadata
+    stored: dict[str, tuple[str, str]]  # passage id -> (doc_id, doc_hash) of every row already in the table
+    todo: list[Passage]
+    stale: list[str]
+
+
+@dataclass
+class _Encoded:
+    codec: Codec  # how the rows were stored: a codec name, or the PQ codebook they refer to
+    tokens: int
+    seconds: float
+
+
 def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, config: IndexConfig,
                   fingerprint: str, started: float, on_progress, ray: RayIndexSettings | None) -> IndexReport:
-    if not config.rebuild and (index_dir / MANIFEST).is_file():  # under the lock: no writer can change it now
+    layout = IndexLayout(index_dir)
+    _prepare_directory(layout, config, fingerprint)
+    passages: list[Passage] = []
+    for document in documents_read.documents:
+        passages.extend(split_document(document, tokenizer, config.max_passage_tokens))
+    metadata = {d.id: d.metadata for d in documents_read.documents}
+    manifest = _manifest(model, fingerprint, embedder, config, index_dir)
+    store = _open_store(layout, manifest, embedder, config)
+    plan = _plan(passages, metadata, store)
+    if ray is None:
+        encoded = _encode_here(layout, store, plan, model, tokenizer, embedder, config, on_progress)
+    else:
+        encoded = _encode_on_ray(layout, store, plan, model, tokenizer, embedder, config, on_progress, fingerprint,
+                                 ray, manifest["encode_dtype"])
+    store.delete(plan.stale)
+    if store.count() >= OPTIMIZE_ABOVE:  # compaction and an id index: fetches stay lookups at millions of rows
+        store.optimize()
+    _commit(layout, store, manifest, encoded.codec, config)
+    return IndexReport(
+        index=str(index_dir), documents=len(documents_read.documents), passages=len(passages),
+        encoded=len(plan.todo), unchanged=len(passages) - len(plan.todo), removed=len(plan.stale),
+        tokens_encoded=encoded.tokens, encode_seconds=encoded.seconds, seconds=time.perf_counter() - started,
+        skipped=documents_read.skipped, manifest=manifest,
+    )
+
+
+def _prepare_directory(layout: IndexLayout, config: IndexConfig, fingerprint: str) -> None:
+    """Refuse an update the stored index cannot take, or clear it for --rebuild; then make sure it exists."""
+    index_dir = layout.path
+    if not config.rebuild and layout.manifest.is_file():  # under the lock: no writer can change it now
         existing = read_manifest(index_dir)
         check_model(index_dir, existing, fingerprint)
         stored_codec = existing.get("key_dtype", "float16")
@@ -155,28 +196,28 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
             raise ConfigError("--keys", config.key_codec, f"{index_dir} stores {stored_codec} keys; add --rebuild "
                               f"to re-encode the corpus as {config.key_codec}")
     if config.rebuild and index_dir.exists():
-        (index_dir / MANIFEST).unlink(missing_ok=True)  # the commit point first
-        shutil.rmtree(index_dir / "lancedb", ignore_errors=True)
-        _remove_faiss_files(index_dir, keep=set())
-        (index_dir / PQ_FILE).unlink(missing_ok=True)
+        layout.manifest.unlink(missing_ok=True)  # the commit point first
+        shutil.rmtree(layout.lancedb, ignore_errors=True)
+        layout.remove_faiss_files_except(keep=set())
+        layout.pq_codebook.unlink(missing_ok=True)
     index_dir.mkdir(parents=True, exist_ok=True)
 
-    passages: list[Passage] = []
-    for document in documents_read.documents:
-        passages.extend(split_document(document, tokenizer, config.max_passage_tokens))
-    metadata = {d.id: d.metadata for d in documents_read.documents}
 
-    manifest = _manifest(model, fingerprint, embedder, config, index_dir)
-    if not (index_dir / MANIFEST).is_file():  # before the table: a table without a manifest reads as damaged
-        write_manifest(index_dir, {**manifest, "status": "building"})
+def _open_store(layout: IndexLayout, manifest: dict, embedder, config: IndexConfig) -> PassageStore:
+    """The passages table, created on a first build, after a "building" manifest that says no version is whole."""
+    if not layout.manifest.is_file():  # before the table: a table without a manifest reads as damaged
+        write_manifest(layout.path, {**manifest, "status": "building"})
     try:
-        store = PassageStore(index_dir, embedder.dim, create=True, key_codec=config.key_codec)
+        return PassageStore(layout.path, embedder.dim, create=True, key_codec=config.key_codec)
     except IndexCorrupt:
-        if read_manifest(index_dir).get("status") == "complete":
+        if read_manifest(layout.path).get("status") == "complete":
             raise  # a finished version is damaged: the user decides (--rebuild)
         # a first build killed while LanceDB created its table: nothing was ever committed, start the table over
-        shutil.rmtree(index_dir / "lancedb", ignore_errors=True)
-        store = PassageStore(index_dir, embedder.dim, create=True, key_codec=config.key_codec)
+        shutil.rmtree(layout.lancedb, ignore_errors=True)
+        return PassageStore(layout.path, embedder.dim, create=True, key_codec=config.key_codec)
+
+
+def _plan(passages: list[Passage], metadata: dict, store: PassageStore) -> _Plan:
     stored = store.stored_hashes()
     todo = [p for p in passages if stored.get(p.passage_id) != (p.doc_id, p.doc_hash)]
     current_ids = {p.passage_id for p in passages}
@@ -184,51 +225,74 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     # a document of this corpus may now have fewer passages: its leftovers go, whether it changed in this run or in
     # an earlier one that was interrupted before its deletes; documents absent from this corpus are never removed
     stale = [pid for pid, (doc_id, _) in stored.items() if pid not in current_ids and doc_id in corpus_docs]
+    return _Plan(passages, metadata, stored, todo, stale)
 
-    codec, first, tokens_encoded, encode_seconds = config.key_codec, 0, 0, 0.0
-    if codec == "pq":  # the codebook first: learned from the first chunks' keys, which are then stored as codes
-        codec, first, tokens_encoded, encode_seconds = _pq_codebook(index_dir, store, stored, todo, metadata, model,
-                                                                    tokenizer, embedder, config, on_progress)
-    store.key_codec = codec
-    if ray is None:
-        for start in range(first, len(todo), config.chunk_passages):
-            chunk = todo[start : start + config.chunk_passages]
-            rows, seconds = encode_chunk(chunk, metadata, model, tokenizer, embedder, codec)
-            encode_seconds += seconds
-            tokens_encoded += sum(row["n_tokens"] - 1 for row in rows)  # the end-of-turn key is not a token read
-            store.upsert(rows)
-            if on_progress:
-                on_progress("encode", start + len(chunk), len(todo))
-    else:
-        from dataclasses import replace
 
-        from cprag.index.ray_runner import encode_on_ray
+def _start_codec(layout: IndexLayout, store: PassageStore, plan: _Plan, model, tokenizer, embedder,
+                 config: IndexConfig, on_progress) -> tuple[_Encoded, int]:
+    """The codec rows are stored with, and how many passages of `todo` are stored already. With pq keys the
+    codebook comes first: learned from the first chunks' keys, which are then stored as codes."""
+    if config.key_codec != "pq":
+        return _Encoded(config.key_codec, 0, 0.0), 0
+    codec, first, tokens, seconds = _pq_codebook(layout, store, plan.stored, plan.todo, plan.metadata, model,
+                                                 tokenizer, embedder, config, on_progress)
+    return _Encoded(codec, tokens, seconds), first
 
-        # the actors encode in the dtype the manifest records: the driver's, unless the settings name one
-        ray = replace(ray, dtype=ray.dtype or manifest["encode_dtype"])
 
-        store.delete([p.passage_id for p in todo[first:] if p.passage_id in stored])  # appends must not repeat them
-        def overall(stage: str, done: int, total: int) -> None:  # counted from the start of todo, as above
-            if on_progress:
-                on_progress(stage, first + done, len(todo))
+def _encode_here(layout: IndexLayout, store: PassageStore, plan: _Plan, model, tokenizer, embedder,
+                 config: IndexConfig, on_progress) -> _Encoded:
+    """Encode `todo` in this process, one upsert (one LanceDB commit) per chunk."""
+    encoded, first = _start_codec(layout, store, plan, model, tokenizer, embedder, config, on_progress)
+    store.key_codec = encoded.codec
+    todo = plan.todo
+    for start in range(first, len(todo), config.chunk_passages):
+        chunk = todo[start : start + config.chunk_passages]
+        rows, seconds = encode_chunk(chunk, plan.metadata, model, tokenizer, embedder, encoded.codec)
+        encoded.seconds += seconds
+        encoded.tokens += sum(row["n_tokens"] - 1 for row in rows)  # the end-of-turn key is not a token read
+        store.upsert(rows)
+        if on_progress:
+            on_progress("encode", start + len(chunk), len(todo))
+    return encoded
 
-        ray_tokens, ray_seconds = encode_on_ray(store, todo[first:], metadata, config.chunk_passages, codec,
-                                                fingerprint, ray, encode_chunk, overall)
-        tokens_encoded, encode_seconds = tokens_encoded + ray_tokens, encode_seconds + ray_seconds
-    store.delete(stale)
-    if store.count() >= OPTIMIZE_ABOVE:  # compaction and an id index: fetches stay lookups at millions of rows
-        store.optimize()
 
-    # commit: the new version's FAISS files beside the old ones, then the manifest that names them
+def _encode_on_ray(layout: IndexLayout, store: PassageStore, plan: _Plan, model, tokenizer, embedder,
+                   config: IndexConfig, on_progress, fingerprint: str, ray: RayIndexSettings, encode_dtype: str
+                   ) -> _Encoded:
+    """Encode `todo` on a Ray cluster (cprag.index.ray_runner); its actors append the rows as Lance fragments."""
+    from dataclasses import replace
+
+    from cprag.index.ray_runner import encode_on_ray
+
+    encoded, first = _start_codec(layout, store, plan, model, tokenizer, embedder, config, on_progress)
+    store.key_codec = encoded.codec
+    todo = plan.todo
+    # the actors encode in the dtype the manifest records: the driver's, unless the settings name one
+    ray = replace(ray, dtype=ray.dtype or encode_dtype)
+
+    store.delete([p.passage_id for p in todo[first:] if p.passage_id in plan.stored])  # appends must not repeat them
+    def overall(stage: str, done: int, total: int) -> None:  # counted from the start of todo, as in _encode_here
+        if on_progress:
+            on_progress(stage, first + done, len(todo))
+
+    tokens, seconds = encode_on_ray(store, todo[first:], plan.metadata, config.chunk_passages, encoded.codec,
+                                    fingerprint, ray, encode_chunk, overall)
+    encoded.tokens, encoded.seconds = encoded.tokens + tokens, encoded.seconds + seconds
+    return encoded
+
+
+def _commit(layout: IndexLayout, store: PassageStore, manifest: dict, codec: Codec, config: IndexConfig) -> None:
+    """The new version's FAISS files beside the old ones, then the manifest that names them, then the old files
+    go. `manifest` is completed in place with what the committed version holds."""
     passage_ids, vectors = store.embeddings()
     faiss_files = faiss_files_for(store.version)
     passage_index = PassageIndex.build(passage_ids, vectors, config.approximate_above,
                                        compressed_above=config.compressed_above)
-    passage_index.save(index_dir, faiss_files, store.version)
+    passage_index.save(layout.path, faiss_files, store.version)
     totals = store.totals()
     named = set(faiss_files.values())
     # the previous version's FAISS files stay until this manifest commits: they are not this version's bytes
-    disk_bytes = directory_bytes(index_dir) - sum(f.stat().st_size for f in _faiss_files(index_dir, keep=named))
+    disk_bytes = directory_bytes(layout.path) - sum(f.stat().st_size for f in layout.faiss_files_except(named))
     if isinstance(codec, PQCodebook):
         manifest["key_pq"] = codec.describe()
     manifest.update(
@@ -240,26 +304,20 @@ def _build_locked(documents_read, index_dir: Path, model, tokenizer, embedder, c
     )
     manifest["kv_cache_over_keys"] = round(manifest["kv_cache_bytes_per_token"] / max(manifest["bytes_per_token"], 1),
                                            1)
-    write_manifest(index_dir, manifest)
-    _remove_faiss_files(index_dir, keep=named)  # no manifest names them any more
-    return IndexReport(
-        index=str(index_dir), documents=len(documents_read.documents), passages=len(passages), encoded=len(todo),
-        unchanged=len(passages) - len(todo), removed=len(stale), tokens_encoded=tokens_encoded,
-        encode_seconds=encode_seconds, seconds=time.perf_counter() - started, skipped=documents_read.skipped,
-        manifest=manifest,
-    )
+    write_manifest(layout.path, manifest)
+    layout.remove_faiss_files_except(keep=named)  # no manifest names them any more
 
 
-def _pq_codebook(index_dir: Path, store, stored: dict, todo: list[Passage], metadata: dict, model, tokenizer,
+def _pq_codebook(layout: IndexLayout, store, stored: dict, todo: list[Passage], metadata: dict, model, tokenizer,
                  embedder, config: IndexConfig, on_progress) -> tuple[PQCodebook, int, int, float]:
     """The index's PQ codebook, and how far into `todo` learning it got: (codebook, passages stored, tokens
     encoded, encode seconds). An index that has one keeps it (its stored codes depend on it); a new one learns it
     from the keys of the first chunks (up to PQ_TRAIN_KEYS), saves it, and stores those chunks as codes."""
-    if (index_dir / PQ_FILE).is_file():
-        return PQCodebook.load(index_dir / PQ_FILE), 0, 0, 0.0
+    if layout.pq_codebook.is_file():
+        return PQCodebook.load(layout.pq_codebook), 0, 0, 0.0
     if stored:  # codes without their codebook cannot be read back
-        raise IndexCorrupt(str(index_dir), f"{PQ_FILE} is missing, so the stored pq keys cannot be decoded; "
-                           + REBUILD.format(path=index_dir))
+        raise IndexCorrupt(str(layout.path), f"{PQ_CODEBOOK} is missing, so the stored pq keys cannot be decoded; "
+                           + REBUILD.format(path=layout.path))
     sample: list[dict] = []
     first, seen, seconds = 0, 0, 0.0
     while first < len(todo) and seen < PQ_TRAIN_KEYS:
@@ -270,7 +328,7 @@ def _pq_codebook(index_dir: Path, store, stored: dict, todo: list[Passage], meta
     keys = [decode_keys(row["keys"], row["n_tokens"], "float16") for row in sample]
     codebook = PQCodebook.train(np.concatenate(keys) if keys else np.zeros((0, model.config.key_dim)),
                                 config.pq_subvectors)
-    codebook.save(index_dir / PQ_FILE)  # before any code is committed
+    codebook.save(layout.pq_codebook, layout.pq_codebook_staging)  # before any code is committed
     for row, row_keys in zip(sample, keys, strict=True):
         row["keys"] = encode_keys(row_keys, codebook)
     for start in range(0, len(sample), config.chunk_passages):
@@ -292,19 +350,9 @@ def encode_chunk(chunk: list[Passage], metadata: dict, model, tokenizer, embedde
     return [row_for(p, keys[i], embeddings[i], metadata[p.doc_id], key_codec) for i, p in enumerate(chunk)], seconds
 
 
-def _faiss_files(index_dir: Path, keep: set[str]) -> list[Path]:
-    """FAISS files (and their staging copies) in `index_dir` other than those named in `keep`."""
-    return sorted({f for pattern in FAISS_GLOBS for f in index_dir.glob(pattern) if f.name not in keep})
-
-
-def _remove_faiss_files(index_dir: Path, keep: set[str]) -> None:
-    for file in _faiss_files(index_dir, keep):
-        file.unlink(missing_ok=True)
-
-
 def _manifest(model, fingerprint: str, embedder, config: IndexConfig, index_dir: Path) -> dict:
     previous = {}
-    if (index_dir / MANIFEST).is_file():
+    if IndexLayout(index_dir).manifest.is_file():
         previous = read_manifest(index_dir)
     return {
         "format_version": FORMAT_VERSION,

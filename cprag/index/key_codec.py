@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from cprag.errors import ConfigError
+from cprag.index.layout import PQ_CODEBOOK
 
 KEY_CODECS = ("float16", "int8", "pq")
 NAMES = {"fp16": "float16", "float16": "float16", "int8": "int8", "pq": "pq"}
@@ -30,7 +31,6 @@ PQ_SUBVECTORS = 16  # 4 dims each at key_dim 64: 16 B per key
 PQ_CENTROIDS = 256  # one byte per code
 PQ_TRAIN_KEYS = 65_536  # keys k-means learns from (FAISS wants at least 39 per centroid: 9,984)
 PQ_MIN_KEYS = PQ_CENTROIDS
-PQ_FILE = "keys-pq.npy"
 
 
 @dataclass
@@ -82,8 +82,8 @@ class PQCodebook:
         parts = self.centroids[np.arange(self.subvectors)[None, :], codes.astype(np.int64)]  # (n, M, d)
         return parts.reshape(len(codes), -1)
 
-    def save(self, path: Path) -> None:
-        staging = Path(path).with_suffix(".tmp.npy")
+    def save(self, path: Path, staging: Path) -> None:
+        """Write the centroids to `staging`, then rename it to `path` (cprag.index.layout names both)."""
         np.save(staging, self.centroids)
         os.replace(staging, path)
 
@@ -92,7 +92,7 @@ class PQCodebook:
         return cls(np.load(path).astype(np.float32))
 
     def describe(self) -> dict:
-        return {"file": PQ_FILE, "subvectors": self.subvectors, "centroids": PQ_CENTROIDS,
+        return {"file": PQ_CODEBOOK, "subvectors": self.subvectors, "centroids": PQ_CENTROIDS,
                 "key_dim": int(self.centroids.shape[0] * self.centroids.shape[2])}
 
 

@@ -16,8 +16,7 @@ import socket
 from pathlib import Path
 
 from cprag.errors import IndexLocked
-
-LOCK_FILE = ".write.lock"
+from cprag.index.layout import IndexLayout
 
 
 def holder(path: Path) -> dict:
@@ -32,7 +31,7 @@ class WriteLock:
     """`with WriteLock(index_dir):` holds the index's writer lock or raises `IndexLocked` at once."""
 
     def __init__(self, index_dir: str | Path):
-        self.path = Path(index_dir) / LOCK_FILE
+        self.path = IndexLayout(index_dir).write_lock
         self._fd: int | None = None
 
     def acquire(self) -> WriteLock:
@@ -67,7 +66,7 @@ class WriteLock:
 def writer_pid(index_dir: str | Path) -> int | None:
     """The pid of the process writing `index_dir` now (0 when unknown), or None when no one holds the lock.
     Tested with a shared lock on the existing file, so a reader never creates it or holds it for long."""
-    path = Path(index_dir) / LOCK_FILE
+    path = IndexLayout(index_dir).write_lock
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cprag.errors import IndexBusy, IndexCorrupt, IndexNotFound, IndexUnfinished
-from cprag.index.key_codec import PQ_FILE, Codec, PQCodebook
+from cprag.index.key_codec import Codec, PQCodebook
+from cprag.index.layout import LEGACY_FAISS_FILES, MANIFEST, PQ_CODEBOOK, IndexLayout, is_faiss_name
 from cprag.index.lock import writer_pid
-from cprag.index.retrieve import LEGACY_FAISS_FILES, PassageIndex
-from cprag.index.store import MANIFEST, REBUILD, REFRESH, PassageStore, error_line, read_manifest
+from cprag.index.retrieve import PassageIndex
+from cprag.index.store import REBUILD, REFRESH, PassageStore, error_line, read_manifest
 
 # how long a reader waits out a writer's commit before saying the index is busy
 COMMIT_WAIT_S = 5.0
@@ -63,7 +64,7 @@ class _Moving(Exception):
 def manifest_stamp(path: Path) -> tuple | None:
     """(inode, mtime, size) of the manifest, or None: it changes with every commit."""
     try:
-        info = os.stat(path / MANIFEST)
+        info = os.stat(IndexLayout(path).manifest)
     except FileNotFoundError:
         return None
     return info.st_ino, info.st_mtime_ns, info.st_size
@@ -73,10 +74,9 @@ def faiss_files(path: Path, manifest: dict) -> dict[str, str]:
     if manifest.get("format_version") == 1:
         return LEGACY_FAISS_FILES
     files = manifest.get("faiss")
-    valid = isinstance(files, dict) and all(isinstance(files.get(k), str) and "/" not in files[k]
-                                            and files[k].startswith("faiss") for k in ("index", "ids"))
+    valid = isinstance(files, dict) and all(is_faiss_name(files.get(k)) for k in ("index", "ids"))
     if not valid:
-        raise IndexCorrupt(str(path), "manifest.json names no valid FAISS files; " + REFRESH.format(path=path))
+        raise IndexCorrupt(str(path), f"{MANIFEST} names no valid FAISS files; " + REFRESH.format(path=path))
     return files
 
 
@@ -85,7 +85,7 @@ def stored_codec(path: Path, manifest: dict) -> Codec:
     name = manifest.get("key_dtype", "float16")
     if name != "pq":
         return name
-    file = path / manifest.get("key_pq", {}).get("file", PQ_FILE)
+    file = IndexLayout(path).file(manifest.get("key_pq", {}).get("file", PQ_CODEBOOK))
     try:
         return PQCodebook.load(file)
     except (OSError, ValueError) as error:
@@ -106,7 +106,7 @@ def _read_consistent(path: Path) -> Snapshot:
         passage_index = PassageIndex.load(path, files, layout=manifest.get("faiss_layout"))
         if version is not None and passage_index.table_version != version:
             raise IndexCorrupt(str(path), f"{files['ids']} describes table version {passage_index.table_version} "
-                               f"but manifest.json version {version}; " + REFRESH.format(path=path))
+                               f"but {MANIFEST} version {version}; " + REFRESH.format(path=path))
     except IndexCorrupt:
         if manifest_stamp(path) != before:
             raise _Moving() from None

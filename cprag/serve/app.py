@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from fastapi import FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from cprag.decoding.generate import MODES
+from cprag.decoding.prompt import MODES
 from cprag.errors import ConfigError, CpragError, IndexBusy, IndexUnfinished, QuestionTooLong, TooFewPassages
 from cprag.index.reader import manifest_stamp
 from cprag.serve.request_batcher import Batcher, Job
@@ -75,10 +75,11 @@ class AskBatchRequest(BaseModel):
     min_confidence: float | None = None
 
 
-class Served:
-    """The opened index and its batcher. Opened on first use (503 while `cprag index` is still building it), and
-    reopened at the latest committed version when `cprag index` commits one (checked at most once a second):
-    requests then see the updated documents, with the same model."""
+class ServeState:
+    """What every route shares, held on `app.state.served`: the limits, and the opened index with its batcher.
+    The index is opened on first use (503 while `cprag index` is still building it), and reopened at the latest
+    committed version when `cprag index` commits one (checked at most once a second): requests then see the updated
+    documents, with the same model."""
 
     def __init__(self, path: Path, open_index, config: ServeConfig):
         self.path, self.open_index, self.config = path, open_index, config
@@ -108,6 +109,34 @@ class Served:
                         self.reopened += 1
             return self.index
 
+    def index_or_503(self):
+        """(the opened index, None), or (None, the error response saying why there is none)."""
+        try:
+            return self.get(), None
+        except (IndexBusy, IndexUnfinished) as failure:
+            return None, error(503, "index_not_ready", str(failure), {"Retry-After": str(RETRY_AFTER_S)})
+        except CpragError as failure:
+            return None, error(500, "index_unusable", str(failure))
+
+    async def answer(self, job: Job):
+        return await asyncio.wait_for(asyncio.wrap_future(self.batcher.submit(job)), timeout=self.config.timeout_s)
+
+    def payload(self, index, answer) -> dict:
+        """The `ask --json` object, with each passage's text and offset for highlighting the copied spans, and each
+        citation's `href` (`SOURCE#ANCHOR`) when its document's file or URL is known and the span has an anchor."""
+        result = answer.to_json()
+        cache = self.index.cache if self.index is not None else index.cache  # the version that answered
+        sources = {}
+        for passage in result["passages"]:
+            entry = cache.entries.get(passage["passage_id"])
+            if entry is not None:
+                passage["text"], passage["char_start"] = entry.passage.text, entry.passage.char_start
+                sources[entry.passage.doc_id] = entry.passage.source
+        for citation in result["citations"]:
+            source = sources.get(citation["doc_id"])
+            citation["href"] = f"{source}#{citation['anchor']}" if source and citation.get("anchor") else None
+        return result
+
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.close()
@@ -119,170 +148,169 @@ def error(status: int, kind: str, message: str, headers: dict | None = None) -> 
 
 def create_app(path: str | Path, open_index, config: ServeConfig | None = None) -> FastAPI:
     """The app over the index at `path`; `open_index()` returns an opened `cprag.Index` (called on first use)."""
-    config = config or ServeConfig()
-    served = Served(Path(path), open_index, config)
-
-    @asynccontextmanager
-    async def lifespan(_app):
-        yield
-        served.close()
-
     app = FastAPI(title="cprag", description="Answers copied from documents the language model never reads.",
-                  version="1", lifespan=lifespan)
-    app.state.served = served
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if config.api_key is not None and request.url.path != "/healthz":
-            given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix(
-                "Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), config.api_key.encode()):
-                return error(401, "unauthorized", "a valid API key is required (Authorization: Bearer KEY)")
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
-            return error(413, "too_large", f"the body is over {config.max_body_bytes} bytes")
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", [])[1:]) or "body"
-        return error(422, "invalid", f"{where}: {first.get('msg', 'invalid request')}")
-
-    def index_or_503():
-        try:
-            return served.get(), None
-        except (IndexBusy, IndexUnfinished) as failure:
-            return None, error(503, "index_not_ready", str(failure), {"Retry-After": str(RETRY_AFTER_S)})
-        except CpragError as failure:
-            return None, error(500, "index_unusable", str(failure))
-
-    def check(index, questions: list[str], k: int, mode: str, max_new_tokens: int, min_confidence):
-        """None, or the 4xx response for the first bad value."""
-        if mode not in MODES:
-            return error(422, "invalid", f"mode: expected one of {', '.join(MODES)}, not {mode!r}")
-        if not 1 <= k <= min(config.max_k, len(index)):
-            return error(422, "invalid", f"k: must be between 1 and {min(config.max_k, len(index))}, not {k}")
-        if not 1 <= max_new_tokens <= config.max_new_tokens:
-            return error(422, "invalid", f"max_new_tokens: must be between 1 and {config.max_new_tokens}")
-        for question in questions:
-            if len(question) > config.max_question_chars:
-                return error(413, "too_large", f"question: over {config.max_question_chars} characters")
-        try:
-            index.check_questions(questions, mode, min_confidence, max_new_tokens=max_new_tokens)
-        except QuestionTooLong as failure:
-            return error(413, "too_large", str(failure))
-        except (ConfigError, TooFewPassages) as failure:
-            return error(422, "invalid", str(failure))
-        return None
-
-    async def answer(job: Job):
-        return await asyncio.wait_for(asyncio.wrap_future(served.batcher.submit(job)), timeout=config.timeout_s)
-
-    def payload(index, answer) -> dict:
-        """The `ask --json` object, with each passage's text and offset for highlighting the copied spans."""
-        result = answer.to_json()
-        cache = served.index.cache if served.index is not None else index.cache  # the version that answered
-        for passage in result["passages"]:
-            entry = cache.entries.get(passage["passage_id"])
-            if entry is not None:
-                passage["text"], passage["char_start"] = entry.passage.text, entry.passage.char_start
-        return result
-
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok"}
-
-    @app.get("/v1/info")
-    async def info():
-        from cprag.api import index_info
-
-        index, failure = index_or_503()
-        if failure:
-            return failure
-        return {"index": index_info(served.path), "model": {"device": index.device,
-                "dtype": str(next(index.model.parameters()).dtype).removeprefix("torch.")},
-                "cache": index.cache.stats(), "reopened": served.reopened,
-                "batches": {"count": len(served.batcher.batches),
-                                                          "largest": max(served.batcher.batches, default=0)}}
-
-    @app.post("/v1/ask")
-    async def ask(request: Request, body: AskRequest, stream: bool = Query(False)):
-        index, failure = index_or_503()
-        if failure:
-            return failure
-        bad = check(index, [body.question], body.k, body.mode, body.max_new_tokens, body.min_confidence)
-        if bad:
-            return bad
-        if not stream:
-            job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence)
-            try:
-                return payload(index, await answer(job))
-            except TimeoutError:
-                job.cancelled.set()
-                return error(504, "timeout", f"no answer within {config.timeout_s:g} s")
-        return StreamingResponse(stream_events(request, index, body), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def stream_events(request: Request, index, body: AskRequest):
-        """`token` events ({"text", "citation"}) as the answer is decoded, then one `answer` event."""
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        tokens: list[int] = []
-        shown = [""]
-
-        def on_token(token: int, source) -> None:  # the batcher's thread
-            tokens.append(token)
-            text = index.tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
-            delta, shown[0] = text[len(shown[0]):], text
-            loop.call_soon_threadsafe(events.put_nowait, ("token", {"text": delta, "copied": source is not None}))
-
-        job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence, on_token)
-        future = asyncio.wrap_future(served.batcher.submit(job))
-        deadline = loop.time() + config.timeout_s
-        while True:
-            if await request.is_disconnected():
-                job.cancelled.set()  # frees its place in the batch at the next step
-                return
-            if future.done() and events.empty():
-                break
-            if loop.time() > deadline:
-                job.cancelled.set()
-                yield _event("error", {"type": "timeout", "message": f"no answer within {config.timeout_s:g} s"})
-                return
-            try:
-                kind, data = await asyncio.wait_for(events.get(), timeout=0.05)
-            except TimeoutError:
-                continue
-            yield _event(kind, data)
-        try:
-            yield _event("answer", payload(index, future.result()))
-        except Exception as failure:  # noqa: BLE001 - the stream ends with what went wrong
-            yield _event("error", {"type": "failed", "message": str(failure)})
-
-    @app.post("/v1/ask_batch")
-    async def ask_batch(body: AskBatchRequest):
-        index, failure = index_or_503()
-        if failure:
-            return failure
-        if not 1 <= len(body.questions) <= config.max_batch_questions:
-            return error(422, "invalid", f"questions: give 1 to {config.max_batch_questions} questions")
-        bad = check(index, body.questions, body.k, body.mode, body.max_new_tokens, body.min_confidence)
-        if bad:
-            return bad
-        jobs = [Job(q, body.k, body.mode, body.max_new_tokens, body.min_confidence) for q in body.questions]
-        try:
-            answers = await asyncio.gather(*(answer(job) for job in jobs))
-        except TimeoutError:
-            for job in jobs:
-                job.cancelled.set()
-            return error(504, "timeout", f"no answer within {config.timeout_s:g} s")
-        return {"answers": [payload(index, a) for a in answers]}
-
-    @app.get("/", response_class=HTMLResponse)
-    async def page():
-        return resources.files("cprag.serve").joinpath("page.html").read_text(encoding="utf-8")
-
+                  version="1", lifespan=_lifespan)
+    app.state.served = ServeState(Path(path), open_index, config or ServeConfig())
+    app.middleware("http")(_guard)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.include_router(routes)
     return app
+
+
+def _state(request: Request) -> ServeState:
+    return request.app.state.served
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    yield
+    app.state.served.close()
+
+
+async def _guard(request: Request, call_next):
+    config = _state(request).config
+    if config.api_key is not None and request.url.path != "/healthz":
+        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix(
+            "Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+            return error(401, "unauthorized", "a valid API key is required (Authorization: Bearer KEY)")
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
+        return error(413, "too_large", f"the body is over {config.max_body_bytes} bytes")
+    return await call_next(request)
+
+
+async def _invalid(_request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", [])[1:]) or "body"
+    return error(422, "invalid", f"{where}: {first.get('msg', 'invalid request')}")
+
+
+def _check(config: ServeConfig, index, questions: list[str], k: int, mode: str, max_new_tokens: int,
+           min_confidence):
+    """None, or the 4xx response for the first bad value."""
+    if mode not in MODES:
+        return error(422, "invalid", f"mode: expected one of {', '.join(MODES)}, not {mode!r}")
+    if not 1 <= k <= min(config.max_k, len(index)):
+        return error(422, "invalid", f"k: must be between 1 and {min(config.max_k, len(index))}, not {k}")
+    if not 1 <= max_new_tokens <= config.max_new_tokens:
+        return error(422, "invalid", f"max_new_tokens: must be between 1 and {config.max_new_tokens}")
+    for question in questions:
+        if len(question) > config.max_question_chars:
+            return error(413, "too_large", f"question: over {config.max_question_chars} characters")
+    try:
+        index.check_questions(questions, mode, min_confidence, max_new_tokens=max_new_tokens)
+    except QuestionTooLong as failure:
+        return error(413, "too_large", str(failure))
+    except (ConfigError, TooFewPassages) as failure:
+        return error(422, "invalid", str(failure))
+    return None
+
+
+routes = APIRouter()
+
+
+@routes.get("/healthz")
+async def healthz():
+    return {"status": "ok"}
+
+
+@routes.get("/v1/info")
+async def info(request: Request):
+    from cprag.api import index_info
+
+    served = _state(request)
+    index, failure = served.index_or_503()
+    if failure:
+        return failure
+    return {"index": index_info(served.path), "model": {"device": index.device,
+            "dtype": str(next(index.model.parameters()).dtype).removeprefix("torch.")},
+            "cache": index.cache.stats(), "reopened": served.reopened,
+            "batches": {"count": len(served.batcher.batches), "largest": max(served.batcher.batches, default=0)}}
+
+
+@routes.post("/v1/ask")
+async def ask(request: Request, body: AskRequest, stream: bool = Query(False)):
+    served = _state(request)
+    index, failure = served.index_or_503()
+    if failure:
+        return failure
+    bad = _check(served.config, index, [body.question], body.k, body.mode, body.max_new_tokens, body.min_confidence)
+    if bad:
+        return bad
+    if not stream:
+        job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence)
+        try:
+            return served.payload(index, await served.answer(job))
+        except TimeoutError:
+            job.cancelled.set()
+            return error(504, "timeout", f"no answer within {served.config.timeout_s:g} s")
+    return StreamingResponse(_stream_events(request, served, index, body), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _stream_events(request: Request, served: ServeState, index, body: AskRequest):
+    """`token` events ({"text", "citation"}) as the answer is decoded, then one `answer` event."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    tokens: list[int] = []
+    shown = [""]
+
+    def on_token(token: int, source) -> None:  # the batcher's thread
+        tokens.append(token)
+        text = index.tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
+        delta, shown[0] = text[len(shown[0]):], text
+        loop.call_soon_threadsafe(events.put_nowait, ("token", {"text": delta, "copied": source is not None}))
+
+    job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence, on_token)
+    future = asyncio.wrap_future(served.batcher.submit(job))
+    timeout_s = served.config.timeout_s
+    deadline = loop.time() + timeout_s
+    while True:
+        if await request.is_disconnected():
+            job.cancelled.set()  # frees its place in the batch at the next step
+            return
+        if future.done() and events.empty():
+            break
+        if loop.time() > deadline:
+            job.cancelled.set()
+            yield _event("error", {"type": "timeout", "message": f"no answer within {timeout_s:g} s"})
+            return
+        try:
+            kind, data = await asyncio.wait_for(events.get(), timeout=0.05)
+        except TimeoutError:
+            continue
+        yield _event(kind, data)
+    try:
+        yield _event("answer", served.payload(index, future.result()))
+    except Exception as failure:  # noqa: BLE001 - the stream ends with what went wrong
+        yield _event("error", {"type": "failed", "message": str(failure)})
+
+
+@routes.post("/v1/ask_batch")
+async def ask_batch(request: Request, body: AskBatchRequest):
+    served = _state(request)
+    config = served.config
+    index, failure = served.index_or_503()
+    if failure:
+        return failure
+    if not 1 <= len(body.questions) <= config.max_batch_questions:
+        return error(422, "invalid", f"questions: give 1 to {config.max_batch_questions} questions")
+    bad = _check(config, index, body.questions, body.k, body.mode, body.max_new_tokens, body.min_confidence)
+    if bad:
+        return bad
+    jobs = [Job(q, body.k, body.mode, body.max_new_tokens, body.min_confidence) for q in body.questions]
+    try:
+        answers = await asyncio.gather(*(served.answer(job) for job in jobs))
+    except TimeoutError:
+        for job in jobs:
+            job.cancelled.set()
+        return error(504, "timeout", f"no answer within {config.timeout_s:g} s")
+    return {"answers": [served.payload(index, a) for a in answers]}
+
+
+@routes.get("/", response_class=HTMLResponse)
+async def page():
+    return resources.files("cprag.serve").joinpath("page.html").read_text(encoding="utf-8")
 
 
 def _event(kind: str, data: dict) -> str:

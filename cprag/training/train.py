@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cprag.decoding.generate import lexical_prior, prompt_passage_memory
+from cprag.decoding.memory import lexical_prior, prompt_passage_memory
 from cprag.decoding.prompt import prompt_ids
 from cprag.errors import CacheMismatch, ConfigError
 from cprag.model.copy_head import CopyMemory

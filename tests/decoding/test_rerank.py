@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cprag.api import Index
-from cprag.decoding.generate import generate, lexical_prior, shared_memory
+from cprag.decoding.generate import generate
+from cprag.decoding.memory import lexical_prior, shared_memory
 from cprag.decoding.rerank import MAX_RANK, RERANKER_FILE, SpanCandidate, StartReranker, feature_count, span_features
 from tests.index_helpers import index_corpus
 from tests.tiny_models import DOCS, write_jsonl

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from cprag.api import Index
-from cprag.decoding.generate import generate, shared_memory
+from cprag.decoding.generate import generate
+from cprag.decoding.memory import shared_memory
 from cprag.decoding.prompt import end_of_turn_id, prompt_ids
 from tests.index_helpers import index_corpus
 from tests.tiny_models import DOCS, write_jsonl

@@ -1,5 +1,5 @@
 """Kill `cprag index` anywhere, resume, and compare with a clean build (the suite runs a few trials;
-`eval/reliability/run.py` runs 100 and writes the report).
+`eval/scripts/reliability_kill_fuzz.py` runs 100 and writes the report).
 
 A trial runs the real CLI (`cprag index`, tiny model, chunks of one passage) in a child process that SIGKILLs
 itself, either at a random instant of its build or just before or after a chosen commit event: a LanceDB upsert or

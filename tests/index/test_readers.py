@@ -11,8 +11,8 @@ from pathlib import Path
 import pypdf
 import pytest
 
-from cprag.index.corpus import Document, read_corpus, split_document
 from cprag.errors import CorpusError
+from cprag.index.corpus import Document, read_corpus, split_document
 from cprag.index.readers import UnreadableFile, read_structured
 from cprag.index.structured_passages import locate, structured_passages
 

@@ -1,5 +1,5 @@
 """Readers while `cprag index` writes, and `cprag index` killed anywhere (a few seeded trials of the 100 that
-`eval/reliability/run.py` runs)."""
+`eval/scripts/reliability_kill_fuzz.py` runs)."""
 
 import json
 import subprocess

@@ -296,7 +296,7 @@ def test_the_pointer_loss_names_the_exact_entry_of_each_answer_token(tmp_path):
 
 
 def test_adapter_layers_flag_parses_ranges_lists_and_none():
-    from cprag.cli import parse_layers
+    from cprag.cli.train import parse_layers
 
     assert parse_layers("24-29") == [24, 25, 26, 27, 28, 29]
     assert parse_layers("24,26, 28") == [24, 26, 28] and parse_layers("none") == []

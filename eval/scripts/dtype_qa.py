@@ -2,12 +2,15 @@
 Decides `cprag.model.runtime.CPU_BF16_DEFAULT` (bf16 ships as the CPU default only if hidden EM moves
 by at most 1 point).
 
-    python eval/dtype_qa.py ../shared/data/squad-v1.1-dev-public.json [--questions 300] [--out eval/dtype/qa.json]
+    python eval/scripts/dtype_qa.py ../shared/data/squad-v1.1-dev-public.json [--questions 300] \\
+        [--out eval/dtype/qa.json]
 
 Answers: the first N of the seeded sample `cprag eval squad DEV --oracle --limit 1000` asks (hidden mode, gold
 passage + 4 same-article distractors, keys encoded by the model in the same dtype, one question at a time as `ask`
 decodes). Encoding: `encode_passages` over 64 seeded passages, after a warm-up pass. (Batched throughput is
 `cprag eval bench --dtype ...`'s batch/qps@B.) Keys: dtype/{float32,bfloat16}/..., dtype/em_delta.
+
+Report: `eval/dtype/qa.json` (the fp32 / bf16 row of README.md's results).
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ from cprag.index.encode import encode_passages, tokenize_passage
 from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
 from cprag.model.runtime import place
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: eval/scripts/x.py
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", type=Path)
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     parser.add_argument("--questions", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "dtype" / "qa.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "dtype" / "qa.json")
     args = parser.parse_args(argv)
     data = read_squad(args.data)
     examples = sample_examples(data, 1000, 0)[: args.questions]

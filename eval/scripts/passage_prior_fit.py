@@ -6,11 +6,13 @@ similarity of the question to each passage. Offline it then asks, for each weigh
 `score + w * (s_p - max s)` the first token of the answer in the gold passage (teacher-forced start accuracy)?
 Paired bootstrap intervals against w = 0. One model pass per question, no decoding.
 
-    python eval/passage-prior/fit.py ../shared/data/squad-v1.1-train.json --unseen --articles 60 \\
+    python eval/scripts/passage_prior_fit.py ../shared/data/squad-v1.1-train.json --unseen --articles 60 \\
         --questions 2000 --records /tmp/prior.jsonl --out eval/passage-prior [--save-weight]
 
 Resumable: records already in `--records` are kept. `--save-weight` writes the best weight (the smallest one
 within 0.05 points of the best accuracy) to the checkpoint's passage_prior.json.
+
+Report: `eval/passage-prior/fit.json`, summed up by hand in `eval/passage-prior/report.md`.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cprag.decoding.generate import lexical_prior
+from cprag.decoding.memory import lexical_prior, shared_memory
 from cprag.decoding.passage_prior import PassagePrior
 from cprag.decoding.prompt import prompt_ids
 from cprag.decoding.prompt_prefix import prompt_prefix
-from cprag.decoding.step import Step, shared_memory
+from cprag.decoding.step import Step
 from cprag.evaluation.oracle_qa import OracleMemory, retrieval_scores
 from cprag.evaluation.squad import read_squad
 from cprag.index.encode import tokenize_passage
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_weight:
         path = PassagePrior(weight=float(chosen), fitted_on=(
             f"teacher-forced start accuracy on {len(records)} questions of {args.articles or 'all'} training-file "
-            f"articles the checkpoint never trained on (eval/passage-prior/fit.py)")).save(args.checkpoint)
+            f"articles the checkpoint never trained on (eval/scripts/passage_prior_fit.py)")).save(args.checkpoint)
         print(f"wrote {path}")
     return 0
 

@@ -1,6 +1,6 @@
 """Load test of `cprag serve`: 16 concurrent clients against one client, on 127.0.0.1, in one run.
 
-    python eval/serve/load.py [--index indexes/demo] [--clients 16] [--questions 320] [--single 64]
+    python eval/scripts/serve_load.py [--index indexes/demo] [--clients 16] [--questions 320] [--single 64]
         [--out eval/serve]
 
 Starts `cprag serve` on a free loopback port (the shipped checkpoint, the demo index that `make demo` builds),
@@ -8,6 +8,8 @@ then: `--questions` questions about the demo corpus's documents from `--clients`
 request's latency, errors, dropped requests); the first `--single` of them from one client; and `--streamed`
 streamed requests one at a time for the time to the first token against the whole answer. Writes summary.json,
 report.md, latency.png and the page's screenshot (page.png, when Chromium is installed) to OUT.
+
+Report: `eval/serve/` (summary.json, report.md, latency.png, page.png).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import numpy as np
 
 from cprag.evaluation.bench import bench_questions
 from cprag.index.corpus import read_corpus
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: eval/scripts/x.py
 
 
 def free_port() -> int:
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=320)
     parser.add_argument("--single", type=int, default=64, help="questions the one-client run asks")
     parser.add_argument("--streamed", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "serve")
     parser.add_argument("--serve-args", default="", help="extra `cprag serve` flags, space separated")
     parser.add_argument("--page-question", default="When was the lighthouse at Varna Point built?",
                         help="the question in the page's screenshot")
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(args.out / "latency.png", many["latencies"], one["latencies"], args.clients)
     rows = "\n".join(f"| `{k}` | {v} |" for k, v in summary.items())
     (args.out / "report.md").write_text(
-        f"# cprag serve load test (one run)\n\n`python eval/serve/load.py --clients {args.clients} --questions "
+        f"# cprag serve load test (one run)\n\n`python eval/scripts/serve_load.py --clients {args.clients} --questions "
         f"{args.questions} --single {args.single}`: `cprag serve --index {args.index}` on 127.0.0.1, "
         f"{len(set(questions))} distinct questions about `{args.corpus}` cycled to {args.questions}, k = 5.\n\n"
         f"| figure | value |\n|---|---|\n{rows}\n\n![latency](latency.png)\n"

@@ -1,7 +1,7 @@
 """Today's code against a baseline commit, in one run: `cprag index` encoding speed, hidden `ask` latency at k=5,
 and questions per second one at a time against 16 per batch.
 
-    python eval/speed/compare.py ../shared/data/squad-v1.1-dev-public.json --baseline 25939f2 --out eval/speed
+    python eval/scripts/speed_compare.py ../shared/data/squad-v1.1-dev-public.json --baseline 25939f2 --out eval/speed
 
 The baseline is checked out into a temporary git worktree and run from the same virtual environment with its own
 code and shipped checkpoint (each at its own default dtype). Both time `cprag index` (their own encoder) over 200
@@ -10,6 +10,8 @@ questions with `Index.ask` at k=5, warm key shards, 8 warm-up questions first; t
 `Index.ask_many` at 16 per batch. The two trees run one after the other, alternating, and the report takes each
 tree's median over its runs, so a slow minute on a shared machine falls on both.
 Writes summary.json and report.md to OUT.
+
+Report: `eval/speed/summary.json` and `eval/speed/report.md`.
 """
 
 from __future__ import annotations

@@ -2,15 +2,18 @@
 
 Records, per question (gold passage + 4 same-article distractors, the passage-prior fit's questions), the CP
 head's first-step scores over every memory entry, the retriever's cosine of the question to each passage, and the
-same embedder's cosine to each sentence (`cprag.model.lexical.sentence_ids` over the passage's tokens, decoded). Offline
-it sweeps `score + w_p (s_p - max s) + w_s (c_sentence - max c)` and asks, as `fit.py` does, whether the best entry
-starts the answer; paired bootstrap against the shipped passage prior alone (w_p = 15, w_s = 0). It also splits the
-wrong starts by where they land: in the answer's sentence, elsewhere in the gold passage, or in a distractor.
+same embedder's cosine to each sentence (`cprag.model.lexical.sentence_ids` over the passage's tokens, decoded).
+Offline it sweeps `score + w_p (s_p - max s) + w_s (c_sentence - max c)` and asks, as `passage_prior_fit.py` does,
+whether the best entry starts the answer; paired bootstrap against the shipped passage prior alone (w_p = 15,
+w_s = 0). It also splits the wrong starts by where they land: in the answer's sentence, elsewhere in the gold
+passage, or in a distractor.
 
-    python eval/passage-prior/sentence_fit.py ../shared/data/squad-v1.1-train.json --unseen --articles 60 \\
+    python eval/scripts/passage_prior_sentence_fit.py ../shared/data/squad-v1.1-train.json --unseen --articles 60 \\
         --questions 2000 --records /tmp/sentence.jsonl --out eval/passage-prior
 
 Resumable: records already in `--records` are kept. Writes sentence_fit.json to OUT.
+
+Report: `eval/passage-prior/sentence_fit.json` (the sentence prior in `eval/levers.md`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from cprag.model.checkpoint import load_model
 from cprag.model.lexical import sentence_ids
 from cprag.training.recipe import add_fit_question_arguments, fit_questions, resume_records
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fit import answer_entries, first_step_scores  # noqa: E402  (the passage-prior fit's own record)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from passage_prior_fit import answer_entries, first_step_scores  # noqa: E402  (the passage-prior fit's own record)
 
 PASSAGE_WEIGHTS = (0, 10, 15, 20)
 SENTENCE_WEIGHTS = (0, 2, 4, 6, 8, 10, 15, 20, 30)

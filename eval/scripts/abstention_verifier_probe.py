@@ -13,7 +13,7 @@ file. Prints the AUC (answerable above unanswerable) and the share of unanswerab
 shipped rule (HasAns F1 at most 5 below answering always), for the probe, the confidence, and both ranks summed.
 
     python pipelines/squad_negatives.py ../shared/data/squad-v1.1-train.json --out negatives.json
-    python eval/abstention/verifier_probe.py ../shared/data/squad-v1.1-train.json negatives.json \\
+    python eval/scripts/abstention_verifier_probe.py ../shared/data/squad-v1.1-train.json negatives.json \\
         ../shared/data/squad-v2.0-dev-public.json eval/squad2/results.jsonl [--pairs 3000] [--out DIR]
 
 With --crossfit-folds N, probes are also fitted on the SQuAD 2.0 results themselves, whose unanswerable questions
@@ -21,6 +21,8 @@ are human-written: each question is scored by a probe fitted on the other folds'
 with the rewrite pairs added.
 
 Not a shipped path: the backbone would read one sentence of a document, which hidden mode otherwise never does.
+
+Report: `eval/abstention/verifier-full/summary.json` (`--out`; the verifier lever in `eval/levers.md`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@ reranker's beam (its starts decoded as rows of one batch, sharing the question's
 a time and in batches of 8, all in one run, on the first N of the seeded 1,000 dev questions (gold passage + 4
 same-article distractors, passage prior on, passages encoded before timing).
 
-    python eval/start_beam_cost.py ../shared/data/squad-v1.1-dev-public.json --questions 96 \\
+    python eval/scripts/start_beam_cost.py ../shared/data/squad-v1.1-dev-public.json --questions 96 \\
         --out eval/start-beam/cost.json
+
+Report: `eval/start-beam/cost.json` (the start beam's cost in README.md).
 """
 
 from __future__ import annotations

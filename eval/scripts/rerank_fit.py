@@ -1,13 +1,16 @@
 """Fit the start reranker (`cprag.decoding.rerank`) on decoded training-file questions and measure it on validation.
 
-    python eval/rerank/fit.py /tmp/cprag-rerank/train.jsonl /tmp/cprag-rerank/dev.jsonl [--out eval/rerank]
+    python eval/scripts/rerank_fit.py /tmp/cprag-rerank/train.jsonl /tmp/cprag-rerank/dev.jsonl [--out eval/rerank]
         [--save cprag/checkpoints/default]
 
-Both files come from `eval/rerank/collect.py`. Every choice (the beam, the scorer: linear with a loss and an L2
+Both files come from `eval/scripts/rerank_collect.py`. Every choice (the beam, the scorer: linear with a loss and an L2
 strength, or one hidden GELU layer with a width and a number of epochs) is made by 5-fold cross-validation on the
 training records, grouped by article; validation is scored once, with the chosen settings, against greedy decoding
 on the same questions (paired bootstrap 95% intervals). Writes summary.json to OUT (the report is written by hand
 from it), and with `--save` the reranker to that checkpoint directory.
+
+Report: `eval/rerank/summary.json` (`summary-linear.json`: the previous checkpoint's linear fit), summed up by hand in
+`eval/rerank/report.md`; `--save` writes the shipped `reranker.json`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 
 from cprag.decoding.rerank import SpanCandidate, StartReranker, span_features
 from cprag.evaluation.metrics import paired_interval
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: eval/scripts/x.py
 
 LOSSES = ("best", "expected")
 L2 = (1e-3, 1e-2, 1e-1, 1.0)
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("train", type=Path)
     parser.add_argument("validation", type=Path)
     parser.add_argument("--beams", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "rerank")
     parser.add_argument("--save", type=Path, help="checkpoint directory to write reranker.json into")
     args = parser.parse_args(argv)
     summary: dict = {}

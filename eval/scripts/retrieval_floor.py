@@ -1,12 +1,14 @@
 """How close is the best passage for a question the corpus can answer, and for one it cannot?
 
-    python eval/retrieval_floor.py ../shared/data/squad-v1.1-dev-public.json [--out eval/retrieval-floor]
+    python eval/scripts/retrieval_floor.py ../shared/data/squad-v1.1-dev-public.json [--out eval/retrieval-floor]
 
 A seeded half of the articles is indexed (all-MiniLM-L6-v2, exact inner product, as `cprag index` does); the
 questions of those articles are in-corpus, the questions of the other half are out-of-corpus (their article is
 absent, so the corpus holds no answer). For each, the top-1 retrieval score. The floor that `cprag ask` uses
 (`cprag.api.MIN_RETRIEVAL_SCORE`) should sit below nearly every in-corpus score: the report gives the share of each
 kind under a range of floors, the percentiles, and a histogram (PNG).
+
+Report: `eval/retrieval-floor/summary.json` and `scores.png` (`cprag.api.MIN_RETRIEVAL_SCORE`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 
 from cprag.evaluation.squad import read_squad
 from cprag.index.retrieve import MiniLMEmbedder, PassageIndex, passage_text_for_retrieval
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: eval/scripts/x.py
 
 FLOORS = (0.15, 0.2, 0.25, 0.3, 0.35, 0.4)
 
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("eval/retrieval-floor"))
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "retrieval-floor")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     inside, outside, sizes = top_scores(args.data, args.seed)

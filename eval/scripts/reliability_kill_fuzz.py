@@ -1,10 +1,12 @@
-"""Kill `cprag index` 100 times anywhere, resume, and report what was lost (see tests/kill_fuzz.py for a trial).
+"""Kill `cprag index` 100 times anywhere, resume, and report what was lost (see tests/index/kill_fuzz.py for a trial).
 
-    python eval/reliability/run.py [--trials 100] [--out eval/reliability] [--workdir /tmp/cprag-fuzz]
+    python eval/scripts/reliability_kill_fuzz.py [--trials 100] [--out eval/reliability] [--workdir /tmp/cprag-fuzz]
 
 Writes `summary.json` (every trial: its kills, what a reader saw after each, lost / duplicated / extra rows) and
 `report.md`. Trials already in `trials.jsonl` are kept, so an interrupted run resumes. About 15 s a trial on 2
 cores: each run of `cprag index` is a fresh process that imports torch.
+
+Report: `eval/reliability/summary.json` and `eval/reliability/report.md`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: eval/scripts/x.py
+sys.path.insert(0, str(ROOT))  # the trial machinery is the test suite's (tests/index/kill_fuzz.py)
 
-from kill_fuzz import Trial, prepare, run_trial, summary  # noqa: E402
-from test_index_ask import tiny_checkpoint  # noqa: E402
-from test_reliability import V1, V2  # noqa: E402
+from tests.index.kill_fuzz import Trial, prepare, run_trial, summary  # noqa: E402
+from tests.index.test_reliability import V1, V2  # noqa: E402
+from tests.tiny_models import tiny_checkpoint  # noqa: E402
 
 FAULTS = [
     ("SIGKILL at a random instant of the locked build", "time"),
@@ -42,7 +44,7 @@ def report(result: dict, seconds: float) -> str:
     duration = f"{seconds / 60:.0f} min of trials on 2 cores" if seconds else "2 cores"
     return f"""# Kill anywhere: `cprag index` under SIGKILL
 
-`python eval/reliability/run.py --trials {result['trials']}` ({duration}). Each trial runs the
+`python eval/scripts/reliability_kill_fuzz.py --trials {result['trials']}` ({duration}). Each trial runs the
 real `cprag index` CLI (tiny model, one passage per commit) and kills it; {kinds['fresh']} trials build a fresh
 index, {kinds['update']} update a finished one to a changed corpus (a changed document, a shrunk one whose leftover
 passages are deleted, a new one). Up to three kills per trial, then runs resume until one finishes.

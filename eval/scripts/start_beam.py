@@ -2,7 +2,7 @@
 1,000-question sample of the public dev half that `cprag eval squad DEV --oracle --limit 1000` asks (hidden mode,
 gold passage + 4 same-article distractors, official EM / F1).
 
-    python eval/start_beam.py ../shared/data/squad-v1.1-dev-public.json [--beam 4] [--questions 1000]
+    python eval/scripts/start_beam.py ../shared/data/squad-v1.1-dev-public.json [--beam 4] [--questions 1000]
         [--out eval/start-beam] [--workdir /tmp/cprag-start-beam]
 
 One decode per question at the largest beam gives every smaller one: alternatives come in the order of their
@@ -11,6 +11,8 @@ is scored as log p(its tokens, then the end) / length ** alpha, for alpha in 0 (
 and 1 (per token). Answers stream to WORKDIR/answers.jsonl, so an interrupted run resumes. The first
 `--timed` questions are also decoded greedily for the latency ratio of the same run. Writes summary.json,
 report.md and f1_by_beam.png to OUT.
+
+Report: `eval/start-beam/` (summary.json, report.md, f1_by_beam.png).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from cprag.evaluation.oracle_qa import OracleMemory, oracle_passage_ids
 from cprag.evaluation.squad import read_squad
 from cprag.evaluation.squad_eval import bar_plot, sample_examples
 from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: eval/scripts/x.py
 
 ALPHAS = (0.0, 0.5, 1.0)
 
@@ -115,12 +119,13 @@ def report(summary: dict, max_beam: int, checkpoint: Path) -> str:
         if "latency/beam_over_greedy" in summary else ""
     return f"""# Start beam: decoding from several first tokens
 
-`python eval/start_beam.py DEV --beam {max_beam}`: checkpoint `{checkpoint}`, the seeded {summary['beam/n']}-question
-sample of the public dev half (`cprag eval squad DEV --oracle --limit {summary['beam/n']}`), hidden mode, gold
-passage + 4 same-article distractors, official EM / F1. Beam B decodes greedily from each of the B most probable
-first tokens and answers with the alternative of the highest log p(tokens, end) / length ** alpha. `changed`:
-questions whose answer differs from the greedy one. `oracle F1`: the best alternative per question, picked by its
-F1 (the ceiling of any way to choose among them). Intervals: paired bootstrap, 95%, 10,000 resamples.
+`python eval/scripts/start_beam.py DEV --beam {max_beam}`: checkpoint `{checkpoint}`, the seeded
+{summary['beam/n']}-question sample of the public dev half
+(`cprag eval squad DEV --oracle --limit {summary['beam/n']}`), hidden mode, gold passage + 4 same-article
+distractors, official EM / F1. Beam B decodes greedily from each of the B most probable first tokens and answers
+with the alternative of the highest log p(tokens, end) / length ** alpha. `changed`: questions whose answer differs
+from the greedy one. `oracle F1`: the best alternative per question, picked by its F1 (the ceiling of any way to
+choose among them). Intervals: paired bootstrap, 95%, 10,000 resamples.
 
 | beam | alpha | EM | F1 | F1 − greedy (95% CI) | changed | oracle F1 |
 |---|---|---|---|---|---|---|
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timed", type=int, default=100, help="questions also decoded greedily, for latency")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "start-beam")
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "start-beam")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/cprag-start-beam"))
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -9,12 +9,14 @@ greedy decoding would give exactly the gold answer: the first token right, every
 (word continuations are forced, as `whole_words` decoding forces them), then the end. Paired bootstrap
 intervals against b = 0.
 
-    python eval/end-bias/fit.py ../shared/data/squad-v1.1-train.json --unseen --articles 30 \\
+    python eval/scripts/end_bias_fit.py ../shared/data/squad-v1.1-train.json --unseen --articles 30 \\
         --questions 3000 --records /tmp/end.jsonl --out eval/end-bias [--save]
 
 Resumable: records already in `--records` are kept. The chosen bias is 0 unless some bias beats 0 for sure (paired
 95% interval above 0); then it is the one nearest 0 within 0.05 points of the best exact rate. `--save` writes it
 into the checkpoint's config.json as `end_bias`.
+
+Report: `eval/end-bias/fit.json`, summed up by hand in `eval/end-bias/report.md`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import numpy as np
 import torch
 
 from cprag.api import load_passage_prior
-from cprag.decoding.generate import lexical_prior
+from cprag.decoding.memory import lexical_prior, shared_memory
 from cprag.decoding.passage_prior import passage_bias
 from cprag.decoding.prompt import end_of_turn_id, prompt_ids
 from cprag.decoding.prompt_prefix import prompt_prefix
-from cprag.decoding.step import Step, shared_memory
+from cprag.decoding.step import Step
 from cprag.evaluation.oracle_qa import OracleMemory, retrieval_scores
 from cprag.evaluation.squad import answer_token_span, read_squad
 from cprag.index.encode import tokenize_passage

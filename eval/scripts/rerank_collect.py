@@ -1,9 +1,9 @@
 """Decode B starts per question and record what a start reranker could read: each alternative's token
 log-probabilities, its first and last memory entries' lexical features, and its EM / F1.
 
-    python eval/rerank/collect.py ../shared/data/squad-v1.1-train.json --unseen --questions 2500 \\
+    python eval/scripts/rerank_collect.py ../shared/data/squad-v1.1-train.json --unseen --questions 2500 \\
         --out /tmp/cprag-rerank/train.jsonl
-    python eval/rerank/collect.py ../shared/data/squad-v1.1-dev-public.json --questions 1000 \\
+    python eval/scripts/rerank_collect.py ../shared/data/squad-v1.1-dev-public.json --questions 1000 \\
         --out /tmp/cprag-rerank/dev.jsonl
 
 `--unseen` keeps training-file questions from articles the shipped checkpoint never trained on (its run saw the
@@ -12,6 +12,9 @@ unseen ones are. Without it the sample is the seeded one `cprag eval squad FILE 
 same memories (gold passage + 4 same-article distractors). The checkpoint's passage prior is on, as in `eval squad`
 (`--passage-prior 0` turns it off). Questions are decoded `--batch-size` at a time, each start a row of the batch
 (`generate_batch`, the same alternatives as `generate`). Records stream to OUT; a rerun resumes.
+
+Report: none of its own; its records feed `eval/scripts/rerank_fit.py` and `eval/scripts/rerank_variants.py`
+(`eval/rerank/report.md`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from cprag.api import load_passage_prior
 from cprag.decoding.batched import generate_batch
-from cprag.decoding.generate import lexical_prior, shared_memory
+from cprag.decoding.memory import lexical_prior, shared_memory
 from cprag.decoding.prompt_prefix import prompt_prefix
 from cprag.evaluation.metrics import squad2_question_scores
 from cprag.evaluation.oracle_qa import OracleMemory, retrieval_scores

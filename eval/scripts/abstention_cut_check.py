@@ -2,11 +2,13 @@
 same distractors: its gold passage whole, and with the answer's sentence cut out of the text (re-encoded, as an
 index of that text would store it). Prints the AUC of whole against cut confidences (0.5: no difference).
 
-    python eval/abstention/cut_check.py ../shared/data/squad-v1.1-dev-public.json --questions 150 \\
+    python eval/scripts/abstention_cut_check.py ../shared/data/squad-v1.1-dev-public.json --questions 150 \\
         [--checkpoint DIR] [--seed 1]
 
-Used for the in-passage no-answer lever in `eval/levers.md`. Questions whose answer also occurs in the rest of
-the passage are skipped (cutting one sentence would not remove it).
+Questions whose answer also occurs in the rest of the passage are skipped (cutting one sentence would not
+remove it).
+
+Report: prints its figures (no file); the in-passage no-answer lever in `eval/levers.md`.
 """
 
 from __future__ import annotations

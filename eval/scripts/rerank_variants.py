@@ -1,7 +1,8 @@
 """Would more features or a hidden layer make a better start reranker? Article-grouped 5-fold CV on the records
-`collect.py` writes, for feature sets beyond `cprag.decoding.rerank.span_features` and for a one-hidden-layer scorer.
+`eval/scripts/rerank_collect.py` writes, for feature sets beyond `cprag.decoding.rerank.span_features` and for a
+one-hidden-layer scorer. Made `eval/rerank/variants.json` (summed up in `eval/levers.md`).
 
-    python eval/rerank/variants.py /tmp/cprag-rerank/train.jsonl [--beam 4] [--out eval/rerank/variants.json]
+    python eval/scripts/rerank_variants.py /tmp/cprag-rerank/train.jsonl [--beam 4] [--out eval/rerank/variants.json]
 
 Feature sets (added to the shipped ones): `pscore`, the retriever's cosine of the candidate's passage below the
 best passage's; `spanmean`, the lexical features averaged over every copied entry of the span (not only its ends);
@@ -15,21 +16,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from fit import article_of_record  # noqa: E402  (the fit's own grouping; this script's folder is on the path)
 
-from cprag.decoding.rerank import SpanCandidate, _overlap, _words, span_features
+from cprag.decoding.rerank import SpanCandidate, span_features
+from cprag.model.lexical import STOPWORDS
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: eval/scripts/x.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rerank_fit import article_of_record  # noqa: E402  (the fit's own grouping of records by article)
 
 FEATURE_SETS = ("base", "pscore", "spanmean", "agree+nest", "pscore+spanmean+agree+nest")
 SCORERS = ((0, 1e-3), (0, 1e-2), (16, 1e-2), (16, 1e-1), (32, 3e-2))  # (hidden units, L2)
 
 
+def content_words(text: str) -> list[str]:
+    """The words `span_features` compares: lower-cased, alphanumeric, longer than one letter, not stopwords."""
+    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) > 1 and w not in STOPWORDS]
+
+
+def word_overlap(a: list[str], b: list[str]) -> float:
+    """Token F1 of two word lists (0 when either is empty), as in `span_features`."""
+    common = sum(min(a.count(w), b.count(w)) for w in set(a))
+    return 0.0 if common == 0 else 2 * common / (len(a) + len(b))
+
+
 def extra_features(record: dict, alternatives: list[dict], kinds: str, span_size: int) -> torch.Tensor:
-    scores, words = record.get("passage_scores"), [_words(a["answer"]) for a in alternatives]
+    scores, words = record.get("passage_scores"), [content_words(a["answer"]) for a in alternatives]
     rows = []
     for i, a in enumerate(alternatives):
         others = [b for j, b in enumerate(alternatives) if j != i]
@@ -39,7 +56,7 @@ def extra_features(record: dict, alternatives: list[dict], kinds: str, span_size
         if "spanmean" in kinds:
             row.extend(a["span_prior_mean"] or [0.0] * span_size)
         if "agree" in kinds:
-            overlaps = [_overlap(words[i], words[j]) for j in range(len(alternatives)) if j != i]
+            overlaps = [word_overlap(words[i], words[j]) for j in range(len(alternatives)) if j != i]
             row.extend([sum(o > 0 for o in overlaps) / max(len(overlaps), 1), max(overlaps, default=0.0)])
         if "nest" in kinds:
             text = a["answer"].strip().lower()
@@ -117,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("train", type=Path)
     parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "variants.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "rerank" / "variants.json")
     args = parser.parse_args(argv)
     raw = [json.loads(line) for line in args.train.read_text().splitlines()]
     rows, shipped, bootstrap = [], None, np.random.default_rng(0)

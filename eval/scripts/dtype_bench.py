@@ -1,11 +1,13 @@
 """bf16 autocast against fp32 on this CPU, in one run: the activation cache's frozen blocks, and training steps.
 
-    python eval/dtype_bench.py SQUAD.json [--passages 64] [--steps 6] [--out eval/dtype/summary.json]
+    python eval/scripts/dtype_bench.py SQUAD.json [--passages 64] [--steps 6] [--out eval/dtype/summary.json]
 
 Cache: the default backbone runs blocks 0..23 over the same seeded passages in both dtypes (tokens per second,
 and the cosine between the cached states and between the final CP features they lead to). Training: the same
 batches of the default recipe (adapters on blocks 24-29) forward and backward in both dtypes, on activations
 computed here (seconds per step, after one warm-up step). Keys: dtype/...
+
+Report: `eval/dtype/summary.json` (the bf16 lever in `eval/levers.md`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Decoding levers on one checkpoint, on the validation articles of its training run:
 the learned successor bias, no successor bias (plain argmax), and a fixed decoding-time boost.
 
-    python eval/decode_levers.py DATA [--checkpoint DIR] [--questions 100]
+    python eval/scripts/decode_levers.py DATA [--checkpoint DIR] [--questions 100]
+
+Report: prints a markdown table; the decoding-time successor boost row of `eval/levers.md`.
 """
 
 from __future__ import annotations

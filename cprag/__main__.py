@@ -1,0 +1,5 @@
+"""`python -m cprag`: the `cprag` command."""
+
+from cprag.cli import main
+
+main()

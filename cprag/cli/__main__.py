@@ -1,0 +1,5 @@
+"""`python -m cprag.cli`: the `cprag` command."""
+
+from cprag.cli import main
+
+main()
