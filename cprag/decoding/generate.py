@@ -6,6 +6,43 @@
 
 The rules (word continuation, the greedy choice with its end bias, the first step, the start beam, the choice
 among answers) are `cprag.decoding.rules`; `cprag.decoding.batched` decodes many questions with the same rules.
+
+The options of `generate`:
+
+`choose="entry"` takes the most probable single derivation at each step (one copy entry, or the generator);
+`choose="token"` takes the most probable token of the mixture, then credits the entry that gave it most.
+`whole_words` finishes every copied word: after a token copied from passage entry j, when entry j+1 continues
+the same word (letters or digits on both sides, no space), entry j+1 is copied next, and no "end here" entry
+may end a span inside a word. Training answers never cut a word, and a 7-digit number is 7 tokens.
+
+In visible mode the passages are in the prompt, and with `visible_keys` the CP head copies from them as it
+copies from hidden ones: each passage token gets a key from the prompt's own hidden states
+(`prompt_passage_memory`), scored with the same successor bias, end entries and lexical prior, and cited.
+Without it, only the plain own-context entries (what the visible training form trains) can be copied.
+
+With passages the first token is never the end: the answer is the best one the passages give, and its
+`confidence` (the copy path's probability of that first token) decides whether it is given at all: below
+`min_confidence` the generation is empty and marked `no_answer` (the passages hold no answer).
+
+`start_beam` > 1 (with passages) also decodes greedily from the next `start_beam - 1` most probable first
+tokens and answers with the most probable whole answer, scored as log p(answer tokens, then the end) divided
+by length ** `length_penalty`, or with the one `reranker` (`cprag.decoding.rerank`) scores highest. The confidence
+and the abstention stay those of the greedy first token.
+
+A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
+and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
+the same token from the same entry, so the answer is exactly the plain greedy one, in fewer passes.
+
+`prefix` (`cprag.decoding.prompt_prefix`), computed once for this model, spares the prompt pass the fixed beginning
+every hidden and closed-book prompt shares; the answer is the same.
+
+`passage_scores` (the retriever's score of each passage) with `passage_prior` > 0 adds the passage prior
+(`cprag.decoding.passage_prior`) to the copy scores in hidden mode: entries of less similar passages are pushed
+down.
+
+`end_bias` (nats; default the checkpoint's `config.end_bias`) is added to the log-probability of ending at
+every choice after the first (`cprag.decoding.step.with_end_bias`): below 0 an answer runs on where the model is
+unsure it is over. Reported log-probabilities stay the model's own.
 """
 
 from __future__ import annotations
@@ -68,43 +105,8 @@ def generate(
     passage_prior: float = 0.0,
     end_bias: float | None = None,
 ) -> Generation:
-    """Greedy answer; `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing).
-
-    `choose="entry"` takes the most probable single derivation at each step (one copy entry, or the generator);
-    `choose="token"` takes the most probable token of the mixture, then credits the entry that gave it most.
-    `whole_words` finishes every copied word: after a token copied from passage entry j, when entry j+1 continues
-    the same word (letters or digits on both sides, no space), entry j+1 is copied next, and no "end here" entry
-    may end a span inside a word. Training answers never cut a word, and a 7-digit number is 7 tokens.
-
-    In visible mode the passages are in the prompt, and with `visible_keys` the CP head copies from them as it
-    copies from hidden ones: each passage token gets a key from the prompt's own hidden states
-    (`prompt_passage_memory`), scored with the same successor bias, end entries and lexical prior, and cited.
-    Without it, only the plain own-context entries (what the visible training form trains) can be copied.
-
-    With passages the first token is never the end: the answer is the best one the passages give, and its
-    `confidence` (the copy path's probability of that first token) decides whether it is given at all: below
-    `min_confidence` the generation is empty and marked `no_answer` (the passages hold no answer).
-
-    `start_beam` > 1 (with passages) also decodes greedily from the next `start_beam - 1` most probable first
-    tokens and answers with the most probable whole answer, scored as log p(answer tokens, then the end) divided
-    by length ** `length_penalty`, or with the one `reranker` (`cprag.decoding.rerank`) scores highest. The confidence
-    and the abstention stay those of the greedy first token.
-
-    A token copied from passage entry j drafts the passage's next `draft_tokens` tokens (entries j+1, j+2, ...),
-    and one backbone pass checks them all: a drafted token is kept only where greedy decoding would have chosen
-    the same token from the same entry, so the answer is exactly the plain greedy one, in fewer passes.
-
-    `prefix` (`cprag.decoding.prompt_prefix`), computed once for this model, spares the prompt pass the fixed beginning
-    every hidden and closed-book prompt shares; the answer is the same.
-
-    `passage_scores` (the retriever's score of each passage) with `passage_prior` > 0 adds the passage prior
-    (`cprag.decoding.passage_prior`) to the copy scores in hidden mode: entries of less similar passages are pushed
-    down.
-
-    `end_bias` (nats; default the checkpoint's `config.end_bias`) is added to the log-probability of ending at
-    every choice after the first (`cprag.decoding.step.with_end_bias`): below 0 an answer runs on where the model is
-    unsure it is over. Reported log-probabilities stay the model's own.
-    """
+    """Greedy answer to `question` from `passages` in `mode`, each option as the module's docstring says;
+    `stop_at_end=False` always generates `max_new_tokens` (for equal-length timing)."""
     if choose not in ("entry", "token"):
         raise ValueError(f"choose must be 'entry' or 'token', not {choose!r}")
     if start_beam < 1:
@@ -112,39 +114,11 @@ def generate(
     end_bias = model.config.end_bias if end_bias is None else end_bias
     read = _read_prompt(model, tokenizer, question, passages, mode, max_new_tokens, prefix, whole_words,
                         visible_keys, passage_scores, passage_prior)
-    memory = read.memory
-    decoder = _Decoder(model, tokenizer, memory, read.owner, read.position, read.continues,
+    decoder = _Decoder(model, tokenizer, read.memory, read.owner, read.position, read.continues,
                        stop_ids(tokenizer) if stop_at_end else set(), choose, end_bias, max_new_tokens, draft_tokens)
-    step, context, stop = read.step, read.context, decoder.stop
-    confidence, first, stopping, starts = None, None, None, []
-    if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
-        stopping = stop_probability(step, stop)
-        step = without_stops(step, stop, decoder.entry_ids(step, context))
-        first = decoder.pick(step, context)
-        confidence = first_token_confidence(step, memory.ids[0], first[0])
-        if confidence < min_confidence:
-            return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(read.prompt),
-                              confidence=confidence, no_answer=True, stop_probability=stopping)
-        if start_beam > 1:  # the greedy first token, then the next most probable ones, each credited to its entry
-            starts = [first] + [(t, copied_source(step, t, memory.ids[0]))
-                                for t in start_tokens(step, first[0], start_beam)[1:]]
-    if len(starts) > 1:
-        alternatives = []
-        for start in starts:
-            alternatives.append(decoder.decode(start, step, context))
-            extra = context.cache.get_seq_length() - len(read.prompt)
-            if extra > 0:
-                context.cache.crop(-extra)  # back to the prompt for the next start
-        prior = memory.prior[0] if memory.prior is not None else None
-        best = choose_alternative(question, alternatives, reranker, prior, read.owner, length_penalty)
-    else:
-        best = decoder.decode(first, step, context)
-        alternatives = [best]
-    generation = Generation(
-        answer=best.answer, token_ids=best.token_ids, sources=best.sources, prompt_tokens=len(read.prompt),
-        confidence=confidence, stop_probability=stopping, alternatives=alternatives,
-    )
-    generation.citations = citations(generation, passages) if memory is not None else []
+    generation = decoder.answer(question, read, min_confidence, start_beam, reranker, length_penalty)
+    if not generation.no_answer:
+        generation.citations = citations(generation, passages) if read.memory is not None else []
     return generation
 
 
@@ -238,6 +212,39 @@ class _Decoder:
         entry_ids = self.entry_ids(step, context)
         return best_derivation(with_end_bias(step, self.stop, self.end_bias, entry_ids), entry_ids,
                                0 if self.memory is None else self.memory.size)
+
+    def answer(self, question: str, read: _Read, min_confidence: float, start_beam: int,
+               reranker: StartReranker | None, length_penalty: float) -> Generation:
+        """The answer from the prompt's last step: with passages its first token is never the end, and below
+        `min_confidence` it is withheld; a start beam decodes from each start and keeps the chosen answer."""
+        memory, step, context, stop = self.memory, read.step, read.context, self.stop
+        confidence, first, stopping, starts = None, None, None, []
+        if memory is not None and stop:  # an answer from the passages, or none at all: never an empty one
+            stopping = stop_probability(step, stop)
+            step = without_stops(step, stop, self.entry_ids(step, context))
+            first = self.pick(step, context)
+            confidence = first_token_confidence(step, memory.ids[0], first[0])
+            if confidence < min_confidence:
+                return Generation(answer="", token_ids=[], sources=[], prompt_tokens=len(read.prompt),
+                                  confidence=confidence, no_answer=True, stop_probability=stopping)
+            if start_beam > 1:  # the greedy first token, then the next most probable ones, each credited
+                starts = [first] + [(t, copied_source(step, t, memory.ids[0]))
+                                    for t in start_tokens(step, first[0], start_beam)[1:]]
+        if len(starts) > 1:
+            alternatives = []
+            for start in starts:
+                alternatives.append(self.decode(start, step, context))
+                extra = context.cache.get_seq_length() - len(read.prompt)
+                if extra > 0:
+                    context.cache.crop(-extra)  # back to the prompt for the next start
+            prior = memory.prior[0] if memory.prior is not None else None
+            best = choose_alternative(question, alternatives, reranker, prior, read.owner, length_penalty)
+        else:
+            best = self.decode(first, step, context)
+            alternatives = [best]
+        return Generation(answer=best.answer, token_ids=best.token_ids, sources=best.sources,
+                          prompt_tokens=len(read.prompt), confidence=confidence, stop_probability=stopping,
+                          alternatives=alternatives)
 
     def decode(self, first: tuple[int, int | None] | None, step: Step, context) -> Alternative:
         """Greedy decoding from the prompt's last step, starting with `first` when given."""

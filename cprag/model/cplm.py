@@ -31,6 +31,7 @@ from cprag.model.mixture import (
     generator_weight_log,
     mixture_log_probs,
     mixture_target_log_probs,
+    weighted_loss,
 )
 from cprag.model.stored_weights import load_on_base, stored_state_dict
 
@@ -357,20 +358,9 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         hidden = hidden.to(self.head_dtype)
         cp_hidden = self._cp_input((hidden if cp_features is None else cp_features).to(self.head_dtype))
         own_keys = head.k_proj(cp_hidden)  # (B, T, D), without the paste token: it may not be known yet
-        ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool(),
-                                                           query_positions, copyable)
-        if not self.config.own_context_ends:
-            allowed = allowed & (ctx_ids != self.config.end_id).unsqueeze(1)
-        if self.config.copied_span_ends == "successor" and prev_source is not None:
-            copying = (prev_source >= 0).unsqueeze(-1)  # (B, Q, 1)
-            allowed = allowed & ~(copying & (ctx_ids == self.config.end_id).unsqueeze(1))
-        refined = None
-        if head.query_refiner is not None:
-            down = head.query_refiner.down(cp_hidden)  # (B, T, R)
-            state.refine = down if context is None or context.refine is None else torch.cat([context.refine, down], 1)
-            absolute = query_positions if query_positions is not None else \
-                torch.arange(state.length - down.shape[1], state.length, device=down.device).unsqueeze(0)
-            refined = head.query_refiner(state.refine, absolute.expand(down.shape[0], -1))  # (B, Q, R)
+        ctx_base, ctx_ids, allowed, state = self._own_context(context, own_keys, input_ids, attention_mask,
+                                                              query_positions, copyable, prev_source)
+        refined = self._refined(cp_hidden, context, state, query_positions)  # (B, Q, R), or None
         if query_positions is not None:
             index = (query_positions - (context.length if context is not None else 0)).unsqueeze(-1)
             hidden = hidden.gather(1, index.expand(-1, -1, hidden.shape[-1]))  # (B, Q, H)
@@ -400,12 +390,9 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             gate = gate_log_probs(self.lm_logits(hidden), copy_logit, in_place=reuse_logits)
         loss = target_log_probs = None
         if targets is not None:
-            weights = (targets != -100).to(hidden.dtype)
-            if target_weights is not None:
-                weights = weights * target_weights
             target_log_probs = mixture_target_log_probs(gate, copy, ids_for_positions, targets.clamp(min=0),
                                                         log_p_gen_target)
-            loss = -(target_log_probs * weights).sum() / weights.sum().clamp(min=1e-9)
+            loss = weighted_loss(target_log_probs, targets, target_weights, hidden.dtype)
         wants_log_probs = return_log_probs and lm_stats is None
         log_probs = (mixture_log_probs(gate, copy, ids_for_positions, in_place=reuse_logits)
                      if wants_log_probs else None)
@@ -414,6 +401,30 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
             sink_log_attention=copy.log_a_sink, generator_log_weight=generator_weight_log(gate, copy),
             target_log_probs=target_log_probs, hidden_states=hidden, context=state,
         )
+
+    def _own_context(self, context, own_keys, input_ids, attention_mask, query_positions, copyable, prev_source):
+        """The own-context entries (`context_memory`) with the checkpoint's rules on where an answer may end:
+        (base keys (B, P+T, D), ids (B, P+T), allowed (B, Q, P+T), the running ContextState)."""
+        ctx_base, ctx_ids, allowed, state = context_memory(context, own_keys, input_ids, attention_mask.bool(),
+                                                           query_positions, copyable)
+        if not self.config.own_context_ends:
+            allowed = allowed & (ctx_ids != self.config.end_id).unsqueeze(1)
+        if self.config.copied_span_ends == "successor" and prev_source is not None:
+            copying = (prev_source >= 0).unsqueeze(-1)  # (B, Q, 1)
+            allowed = allowed & ~(copying & (ctx_ids == self.config.end_id).unsqueeze(1))
+        return ctx_base, ctx_ids, allowed, state
+
+    def _refined(self, cp_hidden, context, state, query_positions):
+        """The query refiner's reading of the context around each query (B, Q, R), or None without one; its
+        down-projected states join the running context (`state.refine`)."""
+        head = self.cp_head
+        if head.query_refiner is None:
+            return None
+        down = head.query_refiner.down(cp_hidden)  # (B, T, R)
+        state.refine = down if context is None or context.refine is None else torch.cat([context.refine, down], 1)
+        absolute = query_positions if query_positions is not None else \
+            torch.arange(state.length - down.shape[1], state.length, device=down.device).unsqueeze(0)
+        return head.query_refiner(state.refine, absolute.expand(down.shape[0], -1))
 
     def save_pretrained(self, save_directory, **kwargs):
         """Save the config and the stored tensors (the trained ones only, when a base backbone is referenced)."""

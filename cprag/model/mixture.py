@@ -154,3 +154,12 @@ def mixture_target_log_probs(
     same_token = copy_ids.expand_as(copy.log_a) == targets.unsqueeze(-1)  # (..., M)
     copied = gate.log_g + safe_logsumexp(copy.log_a.masked_fill(~same_token, NEG_INF), dim=-1)
     return torch.logaddexp(generated, copied)
+
+
+def weighted_loss(target_log_probs: torch.Tensor, targets: torch.Tensor, target_weights: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Mean negative log-likelihood of the targets (B, Q), ignored ones (-100) left out, weighted per target."""
+    weights = (targets != -100).to(dtype)
+    if target_weights is not None:
+        weights = weights * target_weights
+    return -(target_log_probs * weights).sum() / weights.sum().clamp(min=1e-9)
