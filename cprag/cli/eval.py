@@ -108,11 +108,8 @@ def eval_squad_command(
     split = ", held-out articles" if held_out else ""
     write_squad_report(out_dir, summary, results,
                        f"SQuAD ({summary['eval/source']}{split}, {summary['eval/questions']} q)")
-    if as_json:
-        emit_json(summary)
-        return
-    out.print((out_dir / "report.md").read_text().split("![")[0], highlight=False)
-    err.print(f"wrote {out_dir}/results.jsonl, summary.json, report.md, f1_by_mode.png, latency_by_mode.png")
+    _show_report(out_dir, summary, as_json,
+                 "results.jsonl, summary.json, report.md, f1_by_mode.png, latency_by_mode.png")
 
 
 @reports_errors
@@ -158,11 +155,7 @@ def eval_squad2_command(
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad2(
         data, config, model, tokenizer, threshold, progress, result, reranker))
     write_squad2_report(out_dir, summary, results, f"SQuAD 2.0 (oracle, {summary['eval/questions']} q)")
-    if as_json:
-        emit_json(summary)
-        return
-    out.print((out_dir / "report.md").read_text().split("![")[0], highlight=False)
-    err.print(f"wrote {out_dir}/results.jsonl, summary.json, report.md, abstention.png")
+    _show_report(out_dir, summary, as_json, "results.jsonl, summary.json, report.md, abstention.png")
 
 
 @reports_errors
@@ -318,7 +311,14 @@ def eval_needle_command(
                                       start_beam=default_start_beam(reranker) if start_beam is None else start_beam,
                                       on_result=lambda r: progress.advance(task))
     write_needle_report(out_dir, summary, results, model.config.max_position_embeddings)
+    _show_report(out_dir, summary, as_json)
+
+
+def _show_report(out_dir: Path, summary: dict, as_json: bool, wrote: str | None = None) -> None:
+    """The summary as JSON on stdout, or the report's text (its plots left out) and what was written."""
     if as_json:
         emit_json(summary)
         return
     out.print((out_dir / "report.md").read_text().split("![")[0], highlight=False)
+    if wrote:
+        err.print(f"wrote {out_dir}/{wrote}")
