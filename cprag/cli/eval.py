@@ -52,7 +52,8 @@ def eval_squad_command(
     index: Path = typer.Option(None, "--index", "-i", help="Retrieve passages from this index (recall@k)."),
     oracle: bool = typer.Option(False, "--oracle", help="Gold passage plus 4 distractor passages per question."),
     modes: str = typer.Option("hidden,visible,closed", "--modes",
-                              help="Comma-separated: hidden,visible,closed; 'none' for retrieval recall only."),
+                              help="Comma-separated: hidden,visible,closed, and reader (the visible span reader, "
+                              "with --oracle); 'none' for retrieval recall only."),
     limit: int = typer.Option(None, "--limit", help="A seeded random sample of N questions."),
     seed: int = typer.Option(0, "--seed"),
     k: int = typer.Option(5, "-k", help="Passages retrieved per question (with --index)."),
@@ -67,6 +68,8 @@ def eval_squad_command(
                              "this way (fp16, int8 or pq, as cprag index --keys) gives them back."),
     pq_subvectors: int = typer.Option(None, "--pq-subvectors", help="With --keys pq: codes per key, as cprag index "
                                       "--pq-subvectors."),
+    reader: Path = typer.Option(None, "--reader", help="With --modes reader: the span reader's folder (default: "
+                                "the one shipped in cprag/checkpoints/default/reader)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -75,6 +78,7 @@ def eval_squad_command(
 
     Example: cprag eval squad squad-v1.1-dev-public.json --oracle --limit 1000 --out eval/runs/sq
     Example: cprag eval squad DATA --index indexes/squad --limit 300 --out eval/runs/squad-retrieved
+    Example: cprag eval squad DATA --oracle --modes hidden,reader --reader runs/reader/reader --out eval/runs/rd
     """
     from cprag.errors import ConfigError
     from cprag.evaluation.squad_eval import SquadEvalConfig, evaluate_squad, write_squad_report
@@ -102,9 +106,14 @@ def eval_squad_command(
 
             opened = None
             model, tokenizer = load_model(checkpoint)
+        span_reader = None
+        if "reader" in config.modes and index is None:
+            from cprag.model.reader_checkpoint import load_reader
+
+            span_reader, _ = load_reader(reader)
     reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
-        data, config, model, tokenizer, opened, progress, result, reranker))
+        data, config, model, tokenizer, opened, progress, result, reranker, span_reader))
     split = ", held-out articles" if held_out else ""
     write_squad_report(out_dir, summary, results,
                        f"SQuAD ({summary['eval/source']}{split}, {summary['eval/questions']} q)")

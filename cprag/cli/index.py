@@ -12,7 +12,8 @@ from cprag.cli.output import emit_json, err, out, print_key_values, progress_bar
 
 @reports_errors
 def index_command(
-    corpus: Path = typer.Argument(..., help="JSONL ({id, text, title?}), SQuAD .json, or a folder of .txt/.md."),
+    corpus: Path = typer.Argument(
+        ..., help="JSONL ({id, text, title?}), SQuAD .json, one .txt/.md/.html/.pdf file, or a folder of them."),
     index: Path = INDEX_OPTION,
     glob: str = typer.Option(None, "--glob", help="Only files whose path relative to CORPUS matches this pattern, "
                              "e.g. '**/*.html'."),

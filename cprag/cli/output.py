@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 
 import typer
 from rich.console import Console
@@ -62,8 +63,67 @@ def print_figures(title: str, figures: dict, name: str = "figure") -> None:
 
 
 def progress_bar(transient: bool):
-    """A progress bar on stderr; `transient` (with --json) clears it when done."""
+    """A progress bar on stderr; `transient` (with --json) clears it when done. When stderr is a file or a pipe
+    (a background job's log), a rich bar draws nothing until the end, so plain lines are written instead."""
+    if not err.is_terminal:
+        return PlainProgress()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     return Progress(*columns, console=err, transient=transient)
+
+
+class PlainProgress:
+    """The part of rich's Progress the commands use, as one stderr line per task at most every `every_s` seconds
+    (and at the end): `description: done/total (pct) elapsed, ~remaining`."""
+
+    def __init__(self, every_s: float = 30.0):
+        self.every_s = every_s
+        self.tasks: dict[int, dict] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        for task_id, task in self.tasks.items():
+            if task["written"] != task["done"]:
+                self._write(task_id)
+
+    def add_task(self, description: str, total: float | None = None, **_) -> int:
+        task_id = len(self.tasks)
+        now = time.monotonic()
+        self.tasks[task_id] = {"description": description, "total": total, "done": 0, "started": now,
+                               "last": now, "written": None}
+        return task_id
+
+    def advance(self, task_id: int, advance: float = 1) -> None:
+        self.update(task_id, completed=self.tasks[task_id]["done"] + advance)
+
+    def update(self, task_id: int, completed: float | None = None, total: float | None = None, **_) -> None:
+        task = self.tasks[task_id]
+        if total is not None:
+            task["total"] = total
+        if completed is not None:
+            task["done"] = completed
+        finished = task["total"] is not None and task["done"] >= task["total"]
+        if finished or time.monotonic() - task["last"] >= self.every_s:
+            self._write(task_id)
+
+    def _write(self, task_id: int) -> None:
+        task = self.tasks[task_id]
+        task["last"], task["written"] = time.monotonic(), task["done"]
+        elapsed = task["last"] - task["started"]
+        line = f"{task['description']}: {task['done']:g}"
+        if task["total"]:
+            share = task["done"] / task["total"]
+            line += f"/{task['total']:g} ({100 * share:.0f}%)"
+            if 0 < share < 1:
+                line += f", ~{elapsed * (1 - share) / share:.0f}s left"
+        err.file.write(f"{line}, {elapsed:.0f}s\n")
+        err.file.flush()

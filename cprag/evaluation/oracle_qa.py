@@ -4,6 +4,7 @@ closed mode, scored with the official SQuAD EM/F1. Shared by training (validatio
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from cprag.decoding.prompt_prefix import prompt_prefix
 from cprag.decoding.route import decode_questions
+from cprag.decoding.span_read import read_passages
 from cprag.evaluation.metrics import squad2_question_scores
 from cprag.evaluation.squad import QAExample, article_of
 from cprag.index.encode import PassageKeys, encode_passages, tokenize_passage
@@ -96,14 +98,20 @@ def evaluate_oracle(
     distractors: int = 4, seed: int = 0, max_new_tokens: int = 32,
     on_result: Callable[[QAResult], None] | None = None, choose: str = "token", min_confidence: float = 0.0,
     start_beam: int = 1, batch_size: int = 1, reranker=None, key_codec: str = "float16",
-    pq_subvectors: int | None = None, passage_prior: float = 0.0, end_bias: float | None = None,
+    pq_subvectors: int | None = None, passage_prior: float = 0.0, end_bias: float | None = None, reader=None,
 ) -> list[QAResult]:
     """Each example in each mode with its gold passage plus `distractors` others (seeded), scored against its
     references (SQuAD 2.0 rules, so an unanswerable question's right answer is the empty one). With
     `batch_size` > 1, hidden-mode questions are decoded that many per backbone pass (the same answers; each
     question's latency is then its share of its batch's time). `passage_prior` > 0 weighs each passage's
     retrieval score (as an index's retriever would give it) into the copy scores (`cprag.decoding.passage_prior`);
-    `end_bias` (default the checkpoint's): see `cprag.decoding.generate.generate`."""
+    `end_bias` (default the checkpoint's): see `cprag.decoding.generate.generate`. Mode "reader" reads the same
+    passages with the visible span `reader` (`cprag.model.span_reader`); the CPLM `model` may then be None when
+    no other mode is asked for."""
+    if "reader" in modes and reader is None:
+        raise ValueError("mode 'reader' needs a span reader")
+    if model is None:
+        return _reader_only(reader, tokenizer, examples, passages, distractors, seed, batch_size, on_result)
     if key_codec == "pq":  # the codebook an index of these articles would learn: from their first passages' keys
         key_codec = oracle_pq_codebook(model, tokenizer, passages, pq_subvectors)
     memory = OracleMemory(model, tokenizer, passages, key_codec)
@@ -122,6 +130,10 @@ def evaluate_oracle(
         shards = {i: memory.get(chosen[i]) for i in group}
         by_mode: dict[str, list[tuple[object, float]]] = {}
         for mode in modes:  # the route decides: hidden questions batched, the baselines one at a time
+            if mode == "reader":
+                by_mode[mode] = _read(reader, tokenizer, [examples[i].question for i in group],
+                                      [[passages[p][1] for p in chosen[i]] for i in group])
+                continue
             by_mode[mode] = decode_questions(
                 model, tokenizer, [examples[i].question for i in group],
                 [shards[i] if mode != "closed" else [] for i in group], mode, max_new_tokens,
@@ -142,6 +154,50 @@ def evaluate_oracle(
                 results.append(result)
                 if on_result:
                     on_result(result)
+    return results
+
+
+@dataclass
+class ReaderGeneration:
+    """A span reader's answer in the fields a result reads from a generation."""
+
+    answer: str
+    copy_rate: float  # 1: every answer is a span of a passage
+    confidence: float | None  # the span's probability
+    stop_probability: float | None = None
+    no_answer: bool = False
+
+
+def _read(reader, tokenizer, questions: list[str], texts: list[list[str]]
+          ) -> list[tuple[ReaderGeneration, float]]:
+    """The span reader's answers, with each question's share of the batch's time."""
+    started = time.perf_counter()
+    answers = read_passages(reader, tokenizer, questions, texts)
+    share = 1000 * (time.perf_counter() - started) / max(len(questions), 1)
+    return [(ReaderGeneration(answer=a.text if a else "", copy_rate=1.0 if a else 0.0,
+                              confidence=a.probability if a else None), share) for a in answers]
+
+
+def _reader_only(reader, tokenizer, examples, passages, distractors, seed, batch_size, on_result) -> list[QAResult]:
+    """Mode "reader" alone: the same seeded passage draws as `evaluate_oracle`, no CPLM loaded."""
+    all_ids = sorted(passages)
+    rng = random.Random(seed)
+    chosen = [oracle_passage_ids(example, all_ids, distractors, rng) for example in examples]
+    results = []
+    step = max(batch_size, 1)
+    for first in range(0, len(examples), step):
+        group = list(range(first, min(first + step, len(examples))))
+        read = _read(reader, tokenizer, [examples[i].question for i in group],
+                     [[passages[p][1] for p in chosen[i]] for i in group])
+        for i, (generation, latency) in zip(group, read, strict=True):
+            em, f1 = squad2_question_scores(generation.answer, examples[i].answers)
+            result = QAResult(qid=examples[i].qid, mode="reader", question=examples[i].question,
+                              prediction=generation.answer, references=examples[i].answers, em=100 * em,
+                              f1=100 * f1, copy_rate=generation.copy_rate, latency_ms=latency, passages=chosen[i],
+                              confidence=generation.confidence)
+            results.append(result)
+            if on_result:
+                on_result(result)
     return results
 
 

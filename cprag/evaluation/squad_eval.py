@@ -22,6 +22,9 @@ from cprag.evaluation.squad import read_squad
 from cprag.index.key_codec import codec_name, pq_subvectors
 from cprag.model.config import check_end_bias
 
+# MODES, and "reader": the visible span reader (cprag.model.span_reader) over the same passages
+EVAL_MODES = (*MODES, "reader")
+
 
 @dataclass
 class SquadEvalConfig:
@@ -43,9 +46,9 @@ class SquadEvalConfig:
 
     def __post_init__(self):
         self.key_codec = codec_name(self.key_codec)
-        unknown = [m for m in self.modes if m not in MODES]
+        unknown = [m for m in self.modes if m not in EVAL_MODES]
         if unknown:
-            raise ConfigError("--modes", ",".join(self.modes), f"expected some of {', '.join(MODES)}, or none")
+            raise ConfigError("--modes", ",".join(self.modes), f"expected some of {', '.join(EVAL_MODES)}, or none")
         if self.limit is not None and self.limit < 1:
             raise ConfigError("--limit", self.limit, "must be at least 1")
         if self.k < 1:
@@ -78,11 +81,12 @@ def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...
 def evaluate_squad(
     data_path: str | Path, config: SquadEvalConfig, model, tokenizer, index=None,
     on_progress: Callable[[int, int], None] | None = None, on_result: Callable[[QAResult], None] | None = None,
-    reranker=None,
+    reranker=None, reader=None,
 ) -> tuple[dict, list[QAResult]]:
     """Answer every sampled question in every mode; with `index` (an opened cprag.Index) passages are retrieved,
     otherwise each question gets its gold passage plus `distractors` others (oracle). `on_result` sees each
-    answer as it comes (the CLI streams them to results.jsonl, so a long run can be followed and is not lost)."""
+    answer as it comes (the CLI streams them to results.jsonl, so a long run can be followed and is not lost).
+    Mode "reader" (oracle only) needs `reader`, a loaded span reader."""
     data = read_squad(data_path)
     examples = sample_examples(data, config.limit, config.seed, config.articles)
     total = len(examples) * len(config.modes)
@@ -101,13 +105,15 @@ def evaluate_squad(
         config = replace(config, start_beam=default_start_beam(reranker))
     if index is None and not config.modes:
         raise ConfigError("--modes", "none", "without --index there is nothing to evaluate")
+    if "reader" in config.modes and index is not None:
+        raise ConfigError("--modes", "reader", "the span reader is scored with --oracle passages")
     if index is None:
         results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                                   config.seed, config.max_new_tokens, on_result=tick,
                                   min_confidence=config.min_confidence, start_beam=config.start_beam,
                                   batch_size=config.batch_size, reranker=reranker, key_codec=config.key_codec,
                                   pq_subvectors=config.pq_subvectors, passage_prior=config.passage_prior,
-                                  end_bias=config.end_bias)
+                                  end_bias=config.end_bias, reader=reader)
         extra["eval/keys"] = config.key_codec
         if config.key_codec == "pq":
             extra["eval/pq_subvectors"] = config.pq_subvectors or pq_subvectors(model.config.key_dim)
@@ -192,7 +198,7 @@ def write_squad_report(out_dir: str | Path, summary: dict, results: list[QAResul
         for result in results:
             handle.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-    modes = [m for m in MODES if f"qa/{m}/f1" in summary]
+    modes = [m for m in EVAL_MODES if f"qa/{m}/f1" in summary]
     if not modes:
         others = "\n".join(f"- `{k}`: {v}" for k, v in sorted(summary.items()))
         (out_dir / "report.md").write_text(f"# {title}\n\n{others}\n")

@@ -94,6 +94,22 @@ def test_pdf_pages_headings_and_clean_paragraphs():
                                "files. Frequently, it is necessary") for text in body)
 
 
+def test_a_pdf_table_of_contents_is_one_links_block_without_dot_leaders():
+    from cprag.index.readers.pdf import _blocks
+
+    # the lines pypdf gives for page iii of GNU Libtasn1's manual (4.19.0)
+    lines = ["Table of Contents",
+             "1 Introduction . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . 1",
+             "2 ASN.1 structure handling . . . . . . . . . . . . . . . . . . . . . . 2",
+             "2.1 ASN.1 syntax. . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . . 2",
+             "Concept Index.........................................32",
+             "This manual is for GNU Libtasn1.", "2.2 Naming"]
+    blocks = _blocks(lines)
+    assert [kind for kind, _, _ in blocks] == ["prose", "links", "prose", "heading"]
+    assert blocks[1][1] == ("1 Introduction (p. 1); 2 ASN.1 structure handling (p. 2); 2.1 ASN.1 syntax (p. 2); "
+                            "Concept Index (p. 32)")
+
+
 def test_offsets_of_sections_and_passages_slice_the_document_text():
     for path in (SPHINX_PAGE, README, PDF):
         document = read_structured(path)

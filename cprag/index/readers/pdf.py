@@ -3,7 +3,8 @@
 pypdf gives a page's text as lines without paragraph marks, so paragraphs are rebuilt from line shapes: a short
 line that ends a sentence closes its paragraph, a bullet or a numbered heading opens one. Headings are only the
 cheap kind, numbered lines like `2.3. The MEDIA/SUBTYPE.xml files`; running heads and page numbers repeated on
-every page are dropped. Encrypted, text-less (scanned) and damaged files raise UnreadableFile.
+every page are dropped. A table of contents (`2.1 ASN.1 syntax . . . . 2`) is kept as a "links" block without its
+dot leaders, so that retrieval does not read a passage of dots as prose. Encrypted, text-less (scanned) and damaged files raise UnreadableFile.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from cprag.index.readers.sections import DocumentBuilder, StructuredDocument, Un
 _NUMBERED_HEADING = re.compile(r"^(\d{1,2}(?:\.\d{1,2}){0,4})\.?\s+([A-Z][^\n]{0,79})$")
 _BULLET = re.compile(r"^(?:[•●▪◦‣∙·*–-]\s|\(?\d{1,2}[.)]\s|\(?[a-z][.)]\s)")
 _PAGE_NUMBER = re.compile(r"^(?:page\s+)?(?:\d{1,4}|[ivxlc]{1,6})(?:\s*(?:/|of)\s*\d{1,4})?$", re.IGNORECASE)
+# a table-of-contents line: a title, a dot leader (`. . . .` or `....`), a page number
+_CONTENTS_ENTRY = re.compile(r"^(.*?\S)\s*(?:\.\s?){4,}\s*(\d{1,4}|[ivxlc]{1,6})$", re.IGNORECASE)
 _SENTENCE_END = (".", "!", "?", ":", ";")
 _SHORT_LINE = 0.8  # a line under this share of the page's usual width ends a paragraph when it ends a sentence
 
@@ -40,7 +43,7 @@ def read_pdf(path: Path) -> StructuredDocument:
             if kind == "heading":
                 builder.heading(level, text)  # a PDF's location is its page; it has no anchors to link
             else:
-                builder.add(text)
+                builder.add(text, kind)
     title = declared_title or next((line for line in page_lines[0] if line), "") or path.stem
     return builder.build(title, {"format": "pdf", "pages": len(pages)})
 
@@ -89,13 +92,25 @@ def _blocks(lines: list[str]) -> list[tuple[str, str, int]]:
     usual = widths[int(len(widths) * 0.9)]
     blocks: list[tuple[str, str, int]] = []
     paragraph: list[str] = []
+    contents: list[str] = []  # table-of-contents entries: one "links" block, without their dot leaders
 
     def close() -> None:
         if paragraph:
             blocks.append(("prose", _join_lines(paragraph), 0))
             paragraph.clear()
+        if contents:
+            blocks.append(("links", "; ".join(contents), 0))
+            contents.clear()
 
     for line in lines:
+        entry = _CONTENTS_ENTRY.match(line)
+        if entry:  # before headings: `2.1 ASN.1 syntax. . . . 2` is shaped like a numbered heading
+            if paragraph:
+                close()
+            contents.append(f"{entry.group(1).rstrip('. ')} (p. {entry.group(2)})")
+            continue
+        if contents:
+            close()
         heading = _NUMBERED_HEADING.match(line)
         if heading and not line.endswith((".", ",", ";", ":")):
             close()
