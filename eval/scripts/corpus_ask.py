@@ -19,6 +19,7 @@ import platform
 import time
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import Progress
 
 from cprag import Index
@@ -104,7 +105,7 @@ def main() -> None:
     index = Index(args.index, checkpoint=args.checkpoint)
     rows: list[dict] = []
     tick = time.perf_counter()
-    with Progress() as progress:
+    with Progress(console=Console(stderr=True)) as progress:  # stdout is the summary's JSON
         task = progress.add_task("asking", total=len(questions))
         for first in range(0, len(questions), args.batch_size):
             chunk = questions[first:first + args.batch_size]

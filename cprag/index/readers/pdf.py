@@ -4,7 +4,8 @@ pypdf gives a page's text as lines without paragraph marks, so paragraphs are re
 line that ends a sentence closes its paragraph, a bullet or a numbered heading opens one. Headings are only the
 cheap kind, numbered lines like `2.3. The MEDIA/SUBTYPE.xml files`; running heads and page numbers repeated on
 every page are dropped. A table of contents (`2.1 ASN.1 syntax . . . . 2`) is kept as a "links" block without its
-dot leaders, so that retrieval does not read a passage of dots as prose. Encrypted, text-less (scanned) and damaged files raise UnreadableFile.
+dot leaders, so that retrieval does not read a passage of dots as prose.
+Encrypted, text-less (scanned) and damaged files raise UnreadableFile.
 """
 
 from __future__ import annotations
