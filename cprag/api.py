@@ -14,12 +14,14 @@ from cprag.decoding.prompt_prefix import PromptPrefix, prompt_prefix
 from cprag.decoding.rerank import RERANKER_FILE, StartReranker, check_start_beam, default_start_beam
 from cprag.decoding.results import Citation
 from cprag.decoding.route import decode_questions
+from cprag.decoding.verify import cited_sentence, verify
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.index.key_cache import KEY_CACHE_DTYPE, KeyCache
 from cprag.index.reader import open_snapshot
 from cprag.index.retrieve import MiniLMEmbedder
 from cprag.index.store import check_model, directory_bytes, read_manifest
 from cprag.index.structured_passages import locate
+from cprag.model.answer_verifier import VERIFIER_FILE, AnswerVerifier
 from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model, model_fingerprint
 from cprag.model.config import check_end_bias
 from cprag.model.runtime import default_device, place, resolve_dtype
@@ -35,6 +37,9 @@ MIN_RETRIEVAL_SCORE = 0.25
 START_BEAM = None
 # questions decoded per backbone pass by `Index.ask_many` and `ask --questions` (cprag.decoding.batched)
 BATCH_SIZE = 16
+# whether answers are verified (`--verify`) when the checkpoint ships a verifier: the question is read beside the
+# sentence its span was copied from, and an answer the verifier doubts is withheld (cprag.decoding.verify)
+VERIFY = True
 
 
 @dataclass
@@ -49,14 +54,21 @@ class Answer:
     # answer is withheld and `no_answer` says the passages hold no answer
     confidence: float | None = None
     no_answer: bool = False
-    # why an answer was withheld: "retrieval" (no passage is close to the question, nothing was decoded) or
-    # "confidence" (the copy path was unsure); None when answered
+    # why an answer was withheld: "retrieval" (no passage is close to the question, nothing was decoded),
+    # "confidence" (the copy path was unsure) or "verifier" (the cited sentence does not answer the question, by the
+    # verifier); None when answered
     no_answer_reason: str | None = None
+    # the verifier's probability that the cited sentence answers the question (None: not verified)
+    answerable: float | None = None
+    # what the verifier withheld: the span it would have given, and its citations
+    withheld_answer: str | None = None
+    withheld_citations: list[Citation] = field(default_factory=list)
     timings_ms: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         payload = asdict(self)
         payload["citations"] = [asdict(c) for c in self.citations]
+        payload["withheld_citations"] = [asdict(c) for c in self.withheld_citations]
         return payload
 
 
@@ -93,6 +105,11 @@ class Index:
         # the checkpoint's passage prior weight (cprag.decoding.passage_prior): retrieval scores added to the copy
         # scores
         self.passage_prior = 0.0 if model_given and checkpoint is None else load_passage_prior(checkpoint)
+        # the checkpoint's answer verifier (cprag.model.answer_verifier); None: answers are not verified
+        self.verifier = None if model_given and checkpoint is None else load_verifier(checkpoint, model.config)
+        if self.verifier is not None and self.verifier.fingerprint not in ("", fingerprint):
+            raise CheckpointError(str(checkpoint or DEFAULT_CHECKPOINT), f"{VERIFIER_FILE} was fitted on another "
+                                  "checkpoint's states (its model fingerprint differs)")
         self._prefix: PromptPrefix | None = None
 
     @property
@@ -116,6 +133,7 @@ class Index:
         fresh = Index(self.path, checkpoint=self.checkpoint, device=self.device, model=self.model,
                       tokenizer=self.tokenizer, cache_bytes=self.cache.max_bytes, fingerprint=self.fingerprint)
         fresh.reranker, fresh._prefix, fresh.passage_prior = self.reranker, self._prefix, self.passage_prior
+        fresh.verifier = self.verifier
         return fresh
 
     def retrieve(self, questions: list[str], k: int):
@@ -128,23 +146,25 @@ class Index:
     def ask(self, question: str, k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
             min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
             start_beam: int | None = START_BEAM, passage_prior: float | None = None,
-            end_bias: float | None = None) -> Answer:
+            end_bias: float | None = None, verify: bool | None = None) -> Answer:
         """Answer from the k retrieved passages. Withheld as "no answer": questions whose best passage scores
         below `min_retrieval_score` (nothing in the corpus is about them; not decoded), and answers below
         `min_confidence` (default: the checkpoint's, tuned on SQuAD 2.0). `start_beam` first tokens are decoded
         and the checkpoint's start reranker (`self.reranker`; without one, the likeliest) picks the answer
         (default: `self.start_beam`, the beam the reranker was fitted for; 1 is plain greedy, the fastest).
         `passage_prior` weighs the retrieval scores into the copy scores (default: the checkpoint's; 0: off);
-        `end_bias` is added to ending's log-probability (default: the checkpoint's; 0: off)."""
+        `end_bias` is added to ending's log-probability (default: the checkpoint's; 0: off). `verify` reads the
+        question beside the cited sentence and withholds answers the checkpoint's verifier doubts (default: on when
+        the checkpoint ships one; then the confidence threshold defaults to 0, as the verifier replaces it)."""
         return self.ask_many([question], k, mode, max_new_tokens, min_confidence, min_retrieval_score, start_beam,
-                             batch_size=1, passage_prior=passage_prior, end_bias=end_bias)[0]
+                             batch_size=1, passage_prior=passage_prior, end_bias=end_bias, verify=verify)[0]
 
     def ask_many(self, questions: list[str], k: int = 5, mode: str = "hidden", max_new_tokens: int = 32,
                  min_confidence: float | None = None, min_retrieval_score: float = MIN_RETRIEVAL_SCORE,
                  start_beam: int | None = START_BEAM, batch_size: int = BATCH_SIZE,
                  on_token: Callable[[int, int, tuple[int, int] | None], None] | None = None,
                  cancelled: Callable[[int], bool] | None = None, passage_prior: float | None = None,
-                 end_bias: float | None = None) -> list[Answer]:
+                 end_bias: float | None = None, verify: bool | None = None) -> list[Answer]:
         """`ask` for each question, with `batch_size` questions decoded per backbone pass (hidden mode, greedy):
         the same answers as one at a time, in fewer passes. Every question is checked before any is answered.
 
@@ -154,6 +174,9 @@ class Index:
         streaming = on_token is not None or cancelled is not None
         if start_beam is None:
             start_beam = 1 if streaming else self.start_beam
+        verifying = self.verifying(verify) and mode != "closed"
+        if verifying and min_confidence is None:
+            min_confidence = 0.0  # the verifier decides instead of the copy path's confidence
         threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
                                 max_new_tokens)
         weight = self.passage_prior if passage_prior is None else check_weight(passage_prior)
@@ -197,7 +220,38 @@ class Index:
                 no_answer=generation.no_answer, no_answer_reason="confidence" if generation.no_answer else None,
                 timings_ms={name: round(ms, 1) for name, ms in timings.items()},
             )
+        if verifying:
+            self.verify_answers(answers, {number: passages for number, passages, *_ in pending})
         return answers
+
+    def verifying(self, verify: bool | None) -> bool:
+        """Whether answers are verified: `verify`, or by default when the checkpoint ships a verifier."""
+        if verify and self.verifier is None:
+            raise ConfigError("--verify", True, f"this checkpoint ships no verifier ({VERIFIER_FILE})")
+        return VERIFY and self.verifier is not None if verify is None else bool(verify)
+
+    def verify_answers(self, answers: list[Answer], read: dict[int, list]) -> None:
+        """Score each decoded answer's cited sentence against its question (one batch), and withhold the answers
+        below the verifier's threshold, keeping the span they would have given."""
+        chosen = [(number, cited_sentence(answers[number].citations, passages)) for number, passages in read.items()
+                  if not answers[number].no_answer]
+        chosen = [(number, sentence) for number, sentence in chosen if sentence is not None]
+        if not chosen:
+            return
+        tick = time.perf_counter()
+        scores = verify(self.model, self.tokenizer, self.verifier,
+                        [(sentence, answers[number].question) for number, sentence in chosen])
+        share = (time.perf_counter() - tick) * 1000 / len(chosen)
+        for (number, _), score in zip(chosen, scores, strict=True):
+            answer = answers[number]
+            timings = {name: ms for name, ms in answer.timings_ms.items() if name != "total"}
+            timings["verify"] = round(share, 1)
+            timings["total"] = round(sum(timings.values()), 1)
+            answer.answerable, answer.timings_ms = round(score, 4), timings
+            if self.verifier.withholds(score, answer.confidence):
+                answer.withheld_answer, answer.withheld_citations = answer.answer, answer.citations
+                answer.answer, answer.citations = "", []
+                answer.no_answer, answer.no_answer_reason = True, "verifier"
 
     def check_questions(self, questions, mode="hidden", min_confidence=None, min_retrieval_score=MIN_RETRIEVAL_SCORE,
                         start_beam: int | None = START_BEAM, batch_size=BATCH_SIZE,
@@ -260,6 +314,19 @@ def load_passage_prior(checkpoint: str | Path | None) -> float:
     except (ValueError, TypeError, json.JSONDecodeError) as error:
         raise CheckpointError(str(directory), f"unreadable {PASSAGE_PRIOR_FILE}: {error}") from None
     return 0.0 if prior is None else prior.weight
+
+
+def load_verifier(checkpoint: str | Path | None, model_config) -> AnswerVerifier | None:
+    """The answer verifier shipped beside a checkpoint (default: the shipped one's), or None."""
+    directory = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    try:
+        verifier = AnswerVerifier.load(directory)
+    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
+        raise CheckpointError(str(directory), f"unreadable {VERIFIER_FILE}: {error}") from None
+    if verifier is not None and not verifier.fits(model_config):
+        raise CheckpointError(str(directory), f"{VERIFIER_FILE} reads states of width {verifier.hidden_size}, not "
+                              "this checkpoint's: it belongs to another checkpoint")
+    return verifier
 
 
 def ask(question: str, index: str | Path, k: int = 5, mode: str = "hidden", **kwargs) -> Answer:

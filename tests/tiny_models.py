@@ -4,14 +4,16 @@ from one, and the five-document corpus the index tests use."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoModel, LlamaConfig
 
+from cprag.model.answer_verifier import AnswerVerifier
 from cprag.model.backbone import gguf_reference
-from cprag.model.checkpoint import new_cplm
+from cprag.model.checkpoint import load_model, model_fingerprint, new_cplm
 from cprag.model.config import CPLMConfig
 from cprag.model.cplm import CPLMForCausalLM
 
@@ -167,3 +169,17 @@ def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None, **
             model.cp_head.successor.copy_(torch.tensor(successor))
     model.save_pretrained(directory / "ckpt")
     return directory / "ckpt"
+
+
+def verifier_beside(checkpoint, directory, threshold: float, fingerprint: str | None = None,
+                    keep_confidence: float = 2.0):
+    """A copy of the checkpoint with a verifier head of random weights and the given threshold."""
+    shutil.copytree(checkpoint, directory)
+    model, _ = load_model(checkpoint)
+    width = 2 * model.config.hidden_size
+    generator = torch.Generator().manual_seed(1)
+    AnswerVerifier(layers=[1], hidden_size=model.config.hidden_size, mean=[0.0] * width, scale=[1.0] * width,
+                   weight=(0.1 * torch.randn(width, generator=generator)).tolist(), bias=0.0, threshold=threshold,
+                   fingerprint=model_fingerprint(model) if fingerprint is None else fingerprint,
+                   keep_confidence=keep_confidence).save(directory)
+    return directory

@@ -16,6 +16,7 @@ from cprag.cli.options import (
     JSON_OPTION,
     PASSAGE_PRIOR_OPTION,
     START_BEAM_OPTION,
+    VERIFY_OPTION,
 )
 from cprag.cli.output import emit_json, err, out, reports_errors
 
@@ -31,13 +32,15 @@ def ask_command(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers whose confidence (the "
                                          "copy path's probability of the first answer token) is below this "
-                                         "(default: the checkpoint's, tuned on SQuAD 2.0; 0 always answers)."),
+                                         "(default: 0 when answers are verified, else the checkpoint's, tuned on "
+                                         "SQuAD 2.0; 0 always answers)."),
     min_retrieval_score: float = typer.Option(None, "--min-retrieval-score", help="Say the passages hold no "
                                               "answer, without decoding, when the best passage's retrieval score "
                                               "is below this (default 0.25, measured on SQuAD; -1 never)."),
     start_beam: int = START_BEAM_OPTION,
     passage_prior: float = PASSAGE_PRIOR_OPTION,
     end_bias: float = END_BIAS_OPTION,
+    verify: bool = VERIFY_OPTION,
     batch_size: int = typer.Option(None, "--batch-size", help="With --questions: questions decoded per backbone "
                                    "pass (default: cprag.api.BATCH_SIZE; same answers as one at a time)."),
     checkpoint: Path = CHECKPOINT_OPTION,
@@ -81,12 +84,13 @@ def ask_command(
     with err.status("loading the model and the index"):
         opened = Index(index, checkpoint=checkpoint, device=device, dtype=dtype)
     # every question checked before the first is answered; then answers appear batch by batch
+    opened.verifying(verify)  # --verify with a checkpoint that ships no verifier fails before any answer
     opened.check_questions(batch, mode, min_confidence, floor, start_beam, batch_size, max_new_tokens)
     for first in range(0, len(batch), batch_size):
         for answer in opened.ask_many(batch[first : first + batch_size], k=k, mode=mode,
                                       max_new_tokens=max_new_tokens, min_confidence=min_confidence,
                                       min_retrieval_score=floor, start_beam=start_beam, batch_size=batch_size,
-                                      passage_prior=passage_prior, end_bias=end_bias):
+                                      passage_prior=passage_prior, end_bias=end_bias, verify=verify):
             if as_json:
                 emit_json(answer.to_json())
             else:
@@ -102,15 +106,20 @@ def render_answer(answer, opened) -> None:
 
     if answer.no_answer_reason == "retrieval":
         text = Text("The passages hold no answer to this question: none of them is about it.", style="bold yellow")
+    elif answer.no_answer_reason == "verifier":
+        text = Text("The passages hold no answer to this question.", style="bold yellow")
+        text.append(f'\n(the verifier doubts the span "{answer.withheld_answer}")', style="dim")
     elif answer.no_answer:
         text = Text("The passages hold no answer to this question.", style="bold yellow")
     else:
         text = Text(answer.answer or "(empty answer)", style="bold")
     confidence = "" if answer.confidence is None else f" · confidence {answer.confidence:.2f}"
+    if answer.answerable is not None:
+        confidence += f" · answerable {answer.answerable:.2f}"
     out.print(Panel(text, title=answer.question, subtitle=f"{answer.mode}{confidence}"))
     passages = {entry.passage.passage_id: entry.passage for entry in opened.cache.entries.values()}
     cited: dict[str, list] = {}
-    for citation in answer.citations:
+    for citation in answer.citations or answer.withheld_citations:
         for stored in passages.values():
             if stored.doc_id == citation.doc_id and stored.char_start <= citation.start < stored.char_start + len(
                     stored.text):

@@ -18,6 +18,7 @@ from cprag.cli.options import (
     JSON_OPTION,
     PASSAGE_PRIOR_OPTION,
     START_BEAM_OPTION,
+    VERIFY_OPTION,
 )
 from cprag.cli.output import emit_json, err, out, print_figures, progress_bar, reports_errors
 
@@ -46,6 +47,20 @@ MIN_CONFIDENCE_EVAL = typer.Option(0.0, "--min-confidence", help="Withhold answe
                                    "0: always answer, as every SQuAD v1.1 question has an answer).")
 
 
+def _verifier(checkpoint, model_config, verify: bool | None):
+    """The checkpoint's verifier when answers are to be verified (`--verify`; by default when it ships one)."""
+    from cprag.api import VERIFY, load_verifier
+    from cprag.errors import ConfigError
+    from cprag.model.answer_verifier import VERIFIER_FILE
+
+    if verify is False or (verify is None and not VERIFY):
+        return None
+    verifier = load_verifier(checkpoint, model_config)
+    if verify and verifier is None:
+        raise ConfigError("--verify", True, f"this checkpoint ships no verifier ({VERIFIER_FILE})")
+    return verifier
+
+
 @reports_errors
 def eval_squad_command(
     data: Path = typer.Argument(..., help="SQuAD-format JSON with questions and reference answers."),
@@ -68,6 +83,7 @@ def eval_squad_command(
                              "this way (fp16, int8 or pq, as cprag index --keys) gives them back."),
     pq_subvectors: int = typer.Option(None, "--pq-subvectors", help="With --keys pq: codes per key, as cprag index "
                                       "--pq-subvectors."),
+    verify: bool = VERIFY_OPTION,
     reader: Path = typer.Option(None, "--reader", help="With --modes reader: the span reader's folder (default: "
                                 "the one shipped in cprag/checkpoints/default/reader)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plots go."),
@@ -106,6 +122,7 @@ def eval_squad_command(
 
             opened = None
             model, tokenizer = load_model(checkpoint)
+        verifier = _verifier(checkpoint, model.config, verify)
         span_reader = None
         if "reader" in config.modes and index is None:
             from cprag.model.reader_checkpoint import load_reader
@@ -113,7 +130,7 @@ def eval_squad_command(
             span_reader, _ = load_reader(reader)
     reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
-        data, config, model, tokenizer, opened, progress, result, reranker, span_reader))
+        data, config, model, tokenizer, opened, progress, result, reranker, span_reader, verifier))
     split = ", held-out articles" if held_out else ""
     write_squad_report(out_dir, summary, results,
                        f"SQuAD ({summary['eval/source']}{split}, {summary['eval/questions']} q)")
@@ -135,6 +152,7 @@ def eval_squad2_command(
     passage_prior: float = PASSAGE_PRIOR_OPTION,
     end_bias: float = END_BIAS_OPTION,
     batch_size: int = EVAL_BATCH_OPTION,
+    verify: bool = VERIFY_OPTION,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Where results, summary, report and plot go."),
     checkpoint: Path = CHECKPOINT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -158,11 +176,12 @@ def eval_squad2_command(
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
         reranker = load_reranker(checkpoint, model.config)
+        verifier = _verifier(checkpoint, model.config, verify)
     threshold = model.config.min_confidence if min_confidence is None else min_confidence
     if not 0.0 <= threshold <= 1.0:
         raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad2(
-        data, config, model, tokenizer, threshold, progress, result, reranker))
+        data, config, model, tokenizer, threshold, progress, result, reranker, verifier))
     write_squad2_report(out_dir, summary, results, f"SQuAD 2.0 (oracle, {summary['eval/questions']} q)")
     _show_report(out_dir, summary, as_json, "results.jsonl, summary.json, report.md, abstention.png")
 

@@ -24,3 +24,6 @@ PASSAGE_PRIOR_OPTION = typer.Option(None, "--passage-prior", help="Weight of eac
 END_BIAS_OPTION = typer.Option(None, "--end-bias", help="Nats added to the log-probability of ending an answer at "
                                "every choice after the first; below 0 answers run on where the model is unsure they "
                                "are over (default: the checkpoint's end_bias; 0: off).")
+VERIFY_OPTION = typer.Option(None, "--verify/--no-verify", help="Read the question beside the sentence the answer "
+                             "was copied from and withhold answers the checkpoint's verifier doubts (default: on "
+                             "when the checkpoint ships a verifier; the confidence threshold then defaults to 0).")

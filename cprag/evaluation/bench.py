@@ -9,6 +9,9 @@
   and batch/answers_agreeing how many did at the worst B; batch/answers_identical_float32 is the same check
   (B=16 against B=1) in fp32, where bf16's shape-dependent rounding cannot move a near-tied answer
 - latency/beam4_*: ask with the default start beam (4 starts as rows of one batch, reranked) against greedy
+- latency/verify@k5_ms: the answer verifier's pass per answer, latency/verify_over_hidden_ask@k5 that pass over
+  an ask without it, and latency/verified_over_hidden_ask@k5 the ask with it over the ask without (both as
+  shipped: default start beam, answers to their natural end)
 
 Asks are greedy (`start_beam=1`) unless a figure says beam: the figures compare with earlier runs that were.
 """
@@ -111,7 +114,7 @@ def start_beam_latency(index, questions: list[str], k: int = 5, beam: int = 4) -
     `beam` decoded as rows of one batch (as `ask` does) or one start after another (`generate`), and whether the
     two beams answered alike."""
     k = min(k, len(index))
-    options = dict(k=k, min_confidence=0.0, min_retrieval_score=-1.0)
+    options = dict(k=k, min_confidence=0.0, min_retrieval_score=-1.0, verify=False)
     times: dict[str, list[float]] = {"greedy": [], "rows": [], "sequential": []}
     same = True
     for question in questions:
@@ -134,6 +137,27 @@ def start_beam_latency(index, questions: list[str], k: int = 5, beam: int = 4) -
             f"latency/beam{beam}_answers_identical": int(same)}
 
 
+def verify_latency(index, questions: list[str], k: int = 5) -> dict[str, float]:
+    """Per-question ask latency (warm shards, as shipped) without and with the verifier, and the verifier's own
+    pass (its `timings_ms["verify"]`), medians."""
+    k = min(k, len(index))
+    options = dict(k=k, min_confidence=0.0, min_retrieval_score=-1.0)
+    times: dict[str, list[float]] = {"hidden": [], "verified": [], "verify": []}
+    for question in questions:
+        seconds, _ = _timed(lambda q=question: index.ask(q, verify=False, **options), 1)
+        times["hidden"].append(seconds)
+        seconds, answer = _timed(lambda q=question: index.ask(q, verify=True, **options), 1)
+        times["verified"].append(seconds)
+        if "verify" in answer.timings_ms:
+            times["verify"].append(answer.timings_ms["verify"] / 1000)
+    median = {name: float(np.median(values)) if values else float("nan") for name, values in times.items()}
+    return {f"latency/hidden_ask@k{k}_ms": round(median["hidden"] * 1000, 1),
+            f"latency/verified_ask@k{k}_ms": round(median["verified"] * 1000, 1),
+            f"latency/verify@k{k}_ms": round(median["verify"] * 1000, 1),
+            f"latency/verify_over_hidden_ask@k{k}": round(median["verify"] / median["hidden"], 3),
+            f"latency/verified_over_hidden_ask@k{k}": round(median["verified"] / median["hidden"], 3)}
+
+
 def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -> dict[str, float]:
     """Questions per second when every shard must be loaded (cache cleared each time) vs already cached."""
     def run(clear: bool) -> float:
@@ -142,7 +166,8 @@ def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -
             if clear:
                 index.cache.entries.clear()
                 index.cache.bytes = 0
-            index.ask(question, k=min(k, len(index)), max_new_tokens=new_tokens, min_confidence=0.0, start_beam=1)
+            index.ask(question, k=min(k, len(index)), max_new_tokens=new_tokens, min_confidence=0.0, start_beam=1,
+                      verify=False)
         return len(questions) / (time.perf_counter() - start)
 
     cold = run(clear=True)
@@ -196,7 +221,8 @@ def batch_identity(index, questions: list[str], k: int = 5, size: int = 16, max_
 
 def _greedy_asks(k: int, max_new_tokens: int) -> dict:
     """`Index.ask_many` options for the batch figures: greedy, every answer kept, every passage read."""
-    return dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0, start_beam=1)
+    return dict(k=k, max_new_tokens=max_new_tokens, min_confidence=0.0, min_retrieval_score=-1.0, start_beam=1,
+                verify=False)
 
 
 def _answered(answers) -> list[tuple[str, list[str]]]:

@@ -46,7 +46,7 @@ def run_bench(settings: BenchSettings, on_stage: Callable[[str], None] = lambda 
     starts (the CLI shows it as a status line)."""
     import torch
 
-    from cprag.api import Index
+    from cprag.api import Index, load_verifier
     from cprag.index.corpus import read_corpus
     from cprag.model.checkpoint import load_model, model_fingerprint
     from cprag.model.runtime import default_device, place, resolve_dtype
@@ -68,6 +68,10 @@ def run_bench(settings: BenchSettings, on_stage: Callable[[str], None] = lambda 
             on_stage("indexing the corpus")
             index = build_bench_index(corpus, Path(scratch) / "bench-index", model, tokenizer, fingerprint)
         opened = Index(index, model=model, tokenizer=tokenizer, device=device, fingerprint=fingerprint)
+        # a model handed in opens without its checkpoint's verifier; the bench times the checkpoint's own
+        verifier = load_verifier(settings.checkpoint, model.config)
+        if verifier is not None and verifier.fingerprint in ("", fingerprint):
+            opened.verifier = verifier
 
         def exact_index():
             """The same index answered by an fp32 copy of the model, for batching's own effect on answers."""
@@ -93,6 +97,7 @@ def measure_figures(opened, model, tokenizer, chosen: list, settings: BenchSetti
         latency_hidden_vs_visible,
         memory_figures,
         start_beam_latency,
+        verify_latency,
         warm_vs_cold,
     )
 
@@ -105,6 +110,9 @@ def measure_figures(opened, model, tokenizer, chosen: list, settings: BenchSetti
     figures.update(latency_hidden_vs_visible(opened, asked))
     on_stage("start beam 4 against greedy")
     figures.update(start_beam_latency(opened, asked))
+    if opened.verifier is not None:
+        on_stage("the verifier's cost beside a hidden ask")
+        figures.update(verify_latency(opened, asked))
     on_stage("warm vs cold key-shard cache")
     figures.update(warm_vs_cold(opened, asked))
     if settings.batch_questions > 0:

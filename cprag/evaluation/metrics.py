@@ -7,6 +7,8 @@ import re
 import string
 from collections import Counter
 
+import numpy as np
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
 
@@ -89,3 +91,42 @@ def paired_interval(a, b, resamples: int = 10_000, seed: int = 0) -> list[float]
     rng = np.random.default_rng(seed)
     means = (a - b)[rng.integers(0, len(a), size=(resamples, len(a)))].mean(axis=1)
     return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
+
+
+RULE_DROP = 5.0  # HasAns F1 points the abstention threshold may cost (the project's rule)
+
+
+def auc(positive: np.ndarray, score: np.ndarray) -> float:
+    """The probability that a random positive scores above a random negative (ties count half)."""
+    positive = np.asarray(positive, dtype=bool)
+    order = np.argsort(score, kind="stable")
+    ranks = np.empty(len(score))
+    ranks[order] = np.arange(1, len(score) + 1)
+    for value in np.unique(score):  # ties share their mean rank
+        tied = score == value
+        ranks[tied] = ranks[tied].mean()
+    n1, n0 = positive.sum(), (~positive).sum()
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    return float((ranks[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def threshold_at_rule(score: np.ndarray, answerable: np.ndarray, f1: np.ndarray, drop: float = RULE_DROP
+                      ) -> tuple[float, float]:
+    """(threshold, share of unanswerable withheld): the threshold withholding the most unanswerable questions
+    (score below it) while HasAns F1 (percent) stays within `drop` points of answering always."""
+    score, answerable, f1 = np.asarray(score, float), np.asarray(answerable, bool), np.asarray(f1, float)
+    order = np.argsort(score, kind="stable")
+    sorted_score = score[order]
+    lost = np.cumsum(np.where(answerable[order], f1[order], 0.0)) / max(answerable.sum(), 1)
+    withheld = np.cumsum(~answerable[order]) / max((~answerable).sum(), 1)
+    best, best_at = 0.0, 0.0
+    for i in range(len(order)):  # withholding order[: i + 1]: the threshold sits just above sorted_score[i]
+        if i + 1 < len(order) and sorted_score[i + 1] == sorted_score[i]:
+            continue  # a threshold cannot split tied scores
+        if lost[i] > drop:
+            break
+        if withheld[i] > best:
+            above = sorted_score[i + 1] if i + 1 < len(order) else sorted_score[i] + 1e-6
+            best, best_at = float(withheld[i]), float((sorted_score[i] + above) / 2)
+    return best_at, best

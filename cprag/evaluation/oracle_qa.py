@@ -37,6 +37,7 @@ class QAResult:
     confidence: float | None = None  # the copy path's probability of the first answer token (with passages)
     no_answer: bool = False  # withheld: confidence below the threshold
     stop_probability: float | None = None  # the probability of ending at once (with passages)
+    answerable: float | None = None  # the verifier's p(answerable) (cprag.evaluation.verified; None: not verified)
 
 
 def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int, rng: random.Random) -> list[str]:

@@ -14,17 +14,24 @@ from pathlib import Path
 import numpy as np
 
 from cprag.decoding.rerank import default_start_beam
-from cprag.evaluation.metrics import best_threshold, squad2_question_scores
+from cprag.evaluation.metrics import auc, best_threshold, squad2_question_scores
 from cprag.evaluation.oracle_qa import QAResult, evaluate_oracle
 from cprag.evaluation.squad import read_squad
 from cprag.evaluation.squad_eval import SquadEvalConfig, bar_plot, sample_examples
+from cprag.evaluation.verified import VERIFIED_MODES, verify_results, withheld_by_verifier
 
 
-def abstention_scores(results: list[QAResult], answerable: dict[str, bool], threshold: float) -> dict[str, float]:
-    """Official SQuAD 2.0 figures (percent) when answers with confidence below `threshold` are withheld."""
+def abstention_scores(results: list[QAResult], answerable: dict[str, bool], threshold: float,
+                      verifier=None) -> dict[str, float]:
+    """Official SQuAD 2.0 figures (percent) when answers with confidence below `threshold` are withheld (or, given
+    the `verifier`, the answers it withholds)."""
     em, f1, has = [], [], []
     for r in results:
-        prediction = r.prediction if (r.confidence is None or r.confidence >= threshold) else ""
+        if verifier is not None:
+            withheld = withheld_by_verifier(r, verifier)
+        else:
+            withheld = r.confidence is not None and r.confidence < threshold
+        prediction = "" if withheld else r.prediction
         scores = squad2_question_scores(prediction, r.references)
         em.append(scores[0])
         f1.append(scores[1])
@@ -38,10 +45,15 @@ def abstention_scores(results: list[QAResult], answerable: dict[str, bool], thre
             "noans_acc": mean(em[~has])}
 
 
-def summarize_squad2(results: list[QAResult], answerable: dict[str, bool], threshold: float) -> dict[str, float]:
-    """qa2/<mode>/... at `threshold`, plus the same answering always (`..._always`) and the best threshold."""
+def summarize_squad2(results: list[QAResult], answerable: dict[str, bool], threshold: float,
+                     verifier=None) -> dict[str, float]:
+    """qa2/<mode>/... at `threshold`, plus the same answering always (`..._always`) and the best threshold; with
+    the `verifier`, qa2/<mode>+verifier/... for the verified modes, answers withheld by the verifier alone,
+    and the AUC (answerable over unanswerable) of the confidence and of the verifier."""
     summary: dict[str, float] = {}
     for mode in sorted({r.mode for r in results}):
+        if verifier is not None and mode in VERIFIED_MODES:
+            summary.update(verifier_rows(results, mode, answerable, verifier))
         chosen = [r for r in results if r.mode == mode]
         prefix = f"qa2/{mode}/"
         usable = [r for r in chosen if r.confidence is not None]  # closed mode has no passages, hence none
@@ -62,13 +74,32 @@ def summarize_squad2(results: list[QAResult], answerable: dict[str, bool], thres
     return summary
 
 
+def verifier_rows(results: list[QAResult], mode: str, answerable: dict[str, bool], verifier) -> dict[str, float]:
+    chosen = [r for r in results if r.mode == mode]
+    prefix = f"qa2/{mode}+verifier/"
+    rows = {prefix + k: v for k, v in abstention_scores(chosen, answerable, 0.0, verifier).items()}
+    rows[prefix + "threshold"] = verifier.threshold
+    rows[prefix + "keep_confidence"] = verifier.keep_confidence
+    always = abstention_scores(chosen, answerable, 0.0)
+    rows[prefix + "has_f1_always"], rows[prefix + "f1_always"] = always["has_f1"], always["f1"]
+    rows[prefix + "has_n"] = sum(answerable[r.qid] for r in chosen)
+    rows[prefix + "n"] = len(chosen)
+    labels = np.array([answerable[r.qid] for r in chosen])
+    if 0 < labels.sum() < len(labels):
+        rows[prefix + "auc"] = round(auc(labels, np.array([1.0 if r.answerable is None else r.answerable
+                                                           for r in chosen])), 3)
+        rows[f"qa2/{mode}/auc"] = round(auc(labels, np.array([r.confidence or 0.0 for r in chosen])), 3)
+    return rows
+
+
 def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, tokenizer, threshold: float,
                     on_progress: Callable[[int, int], None] | None = None,
-                    on_result: Callable[[QAResult], None] | None = None, reranker=None
+                    on_result: Callable[[QAResult], None] | None = None, reranker=None, verifier=None
                     ) -> tuple[dict, list[QAResult]]:
     """Answer every sampled question (always, recording confidences), then score with abstention below
     `threshold`. Returns (summary, results). Abstention follows the greedy first token's confidence whatever
-    the start beam (`config.start_beam`, None: `reranker`'s), which only changes the answers given."""
+    the start beam (`config.start_beam`, None: `reranker`'s), which only changes the answers given. With
+    `verifier`, every answer is also verified (after all are decoded) and scored both ways."""
     data = read_squad(data_path, unanswerable=True)
     examples = sample_examples(data, config.limit, config.seed, config.articles)
     total, done = len(examples) * len(config.modes), [0]
@@ -86,7 +117,10 @@ def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, token
                               passage_prior=config.passage_prior, end_bias=config.end_bias,
                               start_beam=start_beam, reranker=reranker)
     answerable = {e.qid: e.answerable for e in examples}
-    summary = summarize_squad2(results, answerable, threshold)
+    verify_ms = verify_results(model, tokenizer, verifier, results, data.passages) if verifier else None
+    summary = summarize_squad2(results, answerable, threshold, verifier)
+    if verify_ms is not None:
+        summary["latency/verify_ms"] = round(verify_ms, 1)
     summary["eval/passage_prior"] = config.passage_prior
     summary["eval/start_beam"] = start_beam
     summary["eval/end_bias"] = model.config.end_bias if config.end_bias is None else config.end_bias
@@ -109,11 +143,15 @@ def write_squad2_report(out_dir: str | Path, summary: dict, results: list[QAResu
         f"({summary[f'qa2/{m}/has_f1_always']:.1f}) | {summary[f'qa2/{m}/noans_acc']:.1f} | "
         f"{summary[f'qa2/{m}/em']:.1f} | {summary[f'qa2/{m}/f1']:.1f} | {summary.get(f'qa2/{m}/best_f1', '')} |"
         for m in modes)
+    aucs = "".join(f"- AUC answerable over unanswerable, {'verifier' if '+' in m else 'confidence'} ({m}): "
+                   f"{summary[f'qa2/{m}/auc']}\n" for m in modes if f"qa2/{m}/auc" in summary)
+    aucs = aucs + "\n" if aucs else ""
     bar_plot(out_dir / "abstention.png", modes,
               [[summary[f"qa2/{m}/has_f1"] for m in modes], [summary[f"qa2/{m}/noans_acc"] for m in modes],
                [summary[f"qa2/{m}/f1"] for m in modes]], ["HasAns F1", "NoAns accuracy", "overall F1"], "%",
               f"{title}: abstention")
     (out_dir / "report.md").write_text(
         f"# {title}\n\nAnswers whose confidence is below the threshold are withheld (SQuAD 2.0 rules; in brackets, "
-        "HasAns F1 when every question is answered).\n\n| mode | n | threshold | HasAns F1 | NoAns acc | EM | F1 | "
-        f"best F1 |\n|---|---|---|---|---|---|---|---|\n{rows}\n\n![abstention](abstention.png)\n")
+        "HasAns F1 when every question is answered). In the `+verifier` rows the answers the verifier scores below "
+        "its threshold are withheld instead (cprag.decoding.verify).\n\n| mode | n | threshold | HasAns F1 | NoAns acc "
+        f"| EM | F1 | best F1 |\n|---|---|---|---|---|---|---|---|\n{rows}\n\n{aucs}![abstention](abstention.png)\n")

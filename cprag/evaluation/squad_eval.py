@@ -19,6 +19,7 @@ from cprag.errors import ConfigError
 from cprag.evaluation.metrics import squad2_question_scores
 from cprag.evaluation.oracle_qa import QAResult, evaluate_oracle, summarize
 from cprag.evaluation.squad import read_squad
+from cprag.evaluation.verified import verified_figures, verify_results
 from cprag.index.key_codec import codec_name, pq_subvectors
 from cprag.model.config import check_end_bias
 
@@ -81,12 +82,13 @@ def sample_examples(data, limit: int | None, seed: int, articles: tuple[str, ...
 def evaluate_squad(
     data_path: str | Path, config: SquadEvalConfig, model, tokenizer, index=None,
     on_progress: Callable[[int, int], None] | None = None, on_result: Callable[[QAResult], None] | None = None,
-    reranker=None, reader=None,
+    reranker=None, reader=None, verifier=None,
 ) -> tuple[dict, list[QAResult]]:
     """Answer every sampled question in every mode; with `index` (an opened cprag.Index) passages are retrieved,
     otherwise each question gets its gold passage plus `distractors` others (oracle). `on_result` sees each
     answer as it comes (the CLI streams them to results.jsonl, so a long run can be followed and is not lost).
-    Mode "reader" (oracle only) needs `reader`, a loaded span reader."""
+    Mode "reader" (oracle only) needs `reader`, a loaded span reader. With `verifier`, hidden and visible answers
+    are then verified and scored with the verifier's withholding too (cprag.evaluation.verified)."""
     data = read_squad(data_path)
     examples = sample_examples(data, config.limit, config.seed, config.articles)
     total = len(examples) * len(config.modes)
@@ -120,6 +122,9 @@ def evaluate_squad(
     else:
         results, extra = _evaluate_with_index(index, examples, config, tick)
     summary = summarize(results) if results else {}
+    if verifier is not None and results:
+        summary["latency/verify_ms"] = round(verify_results(model, tokenizer, verifier, results, data.passages), 1)
+        summary.update(verified_figures(results, verifier))
     for mode in config.modes:
         latencies = [r.latency_ms for r in results if r.mode == mode]
         summary[f"latency/{mode}/p50_ms"] = round(float(np.percentile(latencies, 50)), 1)
@@ -169,7 +174,7 @@ def _evaluate_with_index(index, examples, config: SquadEvalConfig, tick) -> tupl
             tick_start = time.perf_counter()
             answer = index.ask(example.question, k=config.k, mode=mode, max_new_tokens=config.max_new_tokens,
                                min_confidence=config.min_confidence, start_beam=config.start_beam,
-                               passage_prior=config.passage_prior, end_bias=config.end_bias)
+                               passage_prior=config.passage_prior, end_bias=config.end_bias, verify=False)
             latency = (time.perf_counter() - tick_start) * 1000
             retrieved = [p["doc_id"] for p in answer.passages]
             if mode != "closed":
@@ -214,7 +219,8 @@ def write_squad_report(out_dir: str | Path, summary: dict, results: list[QAResul
         f"{summary[f'qa/{m}/copy_rate']:.2f} | {summary[f'latency/{m}/p50_ms']:.0f} | "
         f"{summary[f'latency/{m}/p90_ms']:.0f} |" for m in modes
     )
-    others = "\n".join(f"- `{k}`: {v}" for k, v in sorted(summary.items()) if not k.startswith(("qa/", "latency/")))
+    others = "\n".join(f"- `{k}`: {v}" for k, v in sorted(summary.items())
+                       if not k.startswith(("qa/", "latency/")) or "+verifier" in k or "verify" in k)
     (out_dir / "report.md").write_text(
         f"# {title}\n\n| mode | n | EM | F1 | copy rate | p50 ms | p90 ms |\n|---|---|---|---|---|---|---|\n{rows}\n\n"
         f"{others}\n\n![F1 by mode](f1_by_mode.png)\n\n![latency by mode](latency_by_mode.png)\n"

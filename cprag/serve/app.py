@@ -65,6 +65,8 @@ class AskRequest(BaseModel):
     mode: str = Field("hidden", description="hidden (keys), visible (passages in the prompt) or closed.")
     max_new_tokens: int = Field(32, description="Most tokens in the answer.")
     min_confidence: float | None = Field(None, description="Withhold answers below this (default: the model's).")
+    verify: bool | None = Field(None, description="Withhold answers the verifier doubts (default: on when the "
+                                "checkpoint ships one).")
 
 
 class AskBatchRequest(BaseModel):
@@ -73,6 +75,7 @@ class AskBatchRequest(BaseModel):
     mode: str = "hidden"
     max_new_tokens: int = 32
     min_confidence: float | None = None
+    verify: bool | None = None
 
 
 class ServeState:
@@ -187,7 +190,7 @@ async def _invalid(_request, exc: RequestValidationError):
 
 
 def _check(config: ServeConfig, index, questions: list[str], k: int, mode: str, max_new_tokens: int,
-           min_confidence):
+           min_confidence, verify: bool | None = None):
     """None, or the 4xx response for the first bad value."""
     if mode not in MODES:
         return error(422, "invalid", f"mode: expected one of {', '.join(MODES)}, not {mode!r}")
@@ -200,6 +203,7 @@ def _check(config: ServeConfig, index, questions: list[str], k: int, mode: str, 
             return error(413, "too_large", f"question: over {config.max_question_chars} characters")
     try:
         index.check_questions(questions, mode, min_confidence, max_new_tokens=max_new_tokens)
+        index.verifying(verify)
     except QuestionTooLong as failure:
         return error(413, "too_large", str(failure))
     except (ConfigError, TooFewPassages) as failure:
@@ -235,11 +239,12 @@ async def ask(request: Request, body: AskRequest, stream: bool = Query(False)):
     index, failure = served.index_or_503()
     if failure:
         return failure
-    bad = _check(served.config, index, [body.question], body.k, body.mode, body.max_new_tokens, body.min_confidence)
+    bad = _check(served.config, index, [body.question], body.k, body.mode, body.max_new_tokens, body.min_confidence,
+                 body.verify)
     if bad:
         return bad
     if not stream:
-        job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence)
+        job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence, body.verify)
         try:
             return served.payload(index, await served.answer(job))
         except TimeoutError:
@@ -261,7 +266,8 @@ async def _stream_events(request: Request, served: ServeState, index, body: AskR
         delta, shown[0] = text[len(shown[0]):], text
         loop.call_soon_threadsafe(events.put_nowait, ("token", {"text": delta, "copied": source is not None}))
 
-    job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence, on_token)
+    job = Job(body.question, body.k, body.mode, body.max_new_tokens, body.min_confidence, body.verify,
+              on_token)
     future = asyncio.wrap_future(served.batcher.submit(job))
     timeout_s = served.config.timeout_s
     deadline = loop.time() + timeout_s
@@ -295,10 +301,11 @@ async def ask_batch(request: Request, body: AskBatchRequest):
         return failure
     if not 1 <= len(body.questions) <= config.max_batch_questions:
         return error(422, "invalid", f"questions: give 1 to {config.max_batch_questions} questions")
-    bad = _check(config, index, body.questions, body.k, body.mode, body.max_new_tokens, body.min_confidence)
+    bad = _check(config, index, body.questions, body.k, body.mode, body.max_new_tokens, body.min_confidence,
+                 body.verify)
     if bad:
         return bad
-    jobs = [Job(q, body.k, body.mode, body.max_new_tokens, body.min_confidence) for q in body.questions]
+    jobs = [Job(q, body.k, body.mode, body.max_new_tokens, body.min_confidence, body.verify) for q in body.questions]
     try:
         answers = await asyncio.gather(*(served.answer(job) for job in jobs))
     except TimeoutError:

@@ -25,13 +25,14 @@ class Job:
     mode: str
     max_new_tokens: int
     min_confidence: float | None
+    verify: bool | None = None  # None: the index's default (cprag.api.Index.verifying)
     on_token: Callable[[int, tuple[int, int] | None], None] | None = None  # (token id, source) as decoded
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property
     def settings(self) -> tuple:
-        return self.k, self.mode, self.max_new_tokens, self.min_confidence
+        return self.k, self.mode, self.max_new_tokens, self.min_confidence, self.verify
 
 
 class Batcher:
@@ -82,7 +83,7 @@ class Batcher:
     def _answer(self, batch: list[Job]) -> None:
         for job in batch:
             job.future.set_running_or_notify_cancel()
-        k, mode, max_new_tokens, min_confidence = batch[0].settings
+        k, mode, max_new_tokens, min_confidence, verify = batch[0].settings
         streaming = any(job.on_token is not None for job in batch)
         try:
             answers = self.index.ask_many(
@@ -90,7 +91,7 @@ class Batcher:
                 min_confidence=min_confidence, batch_size=len(batch), start_beam=1,  # streams: greedy
                 on_token=(lambda i, token, source: batch[i].on_token and batch[i].on_token(token, source))
                 if streaming else None,
-                cancelled=lambda i: batch[i].cancelled.is_set())
+                cancelled=lambda i: batch[i].cancelled.is_set(), verify=verify)
         except Exception as error:  # noqa: BLE001 - every waiting request hears of it
             for job in batch:
                 job.future.set_exception(error)

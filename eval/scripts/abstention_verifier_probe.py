@@ -31,99 +31,45 @@ import argparse
 import json
 import random
 import re
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from cprag.decoding.verify import answer_sentence, sentence_spans, verifier_prompt, verifier_states
+from cprag.evaluation.metrics import auc, threshold_at_rule
 from cprag.model.checkpoint import load_model
 from cprag.model.runtime import place, resolve_dtype
+from cprag.training.verifier_train import fit_head
 
-SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 STOPWORDS = set("the a an of in on at to for by with from and or is are was were be been what which who whom whose "
                 "when where why how did do does that this these those it its as into than".split())
 LAYERS = (15, 22)  # besides the final norm's output
 
 
-def sentence_spans(text: str) -> list[tuple[int, int]]:
-    spans, start = [], 0
-    for match in SENTENCE_BREAK.finditer(text):
-        spans.append((start, match.start()))
-        start = match.end()
-    return spans + [(start, len(text))]
-
-
 def sentence_at(text: str, offset: int) -> str:
-    return next((text[a:b] for a, b in sentence_spans(text) if a <= offset <= b), text[-300:])
+    return answer_sentence(text, offset)
 
 
 def words(text: str) -> set[str]:
     return {w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOPWORDS and len(w) > 1}
 
 
-def verifier_prompt(sentence: str, question: str) -> str:
-    return f"Context: {sentence}\nQuestion: {question}\nIs the answer in the context?"
-
-
-@torch.inference_mode()
 def probe_features(model, tokenizer, texts: list[str], batch: int = 16) -> np.ndarray:
-    """(N, 3H) the last token's hidden state at LAYERS and after the final norm, shortest texts batched first."""
-    backbone, order = model.backbone, sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    tokenizer.padding_side = "right"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    out, start = [None] * len(texts), time.time()
-    for first in range(0, len(order), batch):
-        chosen = order[first : first + batch]
-        encoded = tokenizer([texts[i] for i in chosen], return_tensors="pt", padding=True, truncation=True,
-                            max_length=256)
-        result = backbone(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
-                          output_hidden_states=True)
-        last, rows = encoded["attention_mask"].sum(1) - 1, torch.arange(len(chosen))
-        states = [result.hidden_states[layer][rows, last] for layer in LAYERS] + [result.last_hidden_state[rows, last]]
-        for row, i in enumerate(chosen):
-            out[i] = torch.cat([s[row] for s in states]).float()
-        if first % (batch * 100) == 0:
-            print(f"{first}/{len(texts)} pairs read, {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-    return torch.stack(out).numpy()
+    """(N, 3H) the last token's hidden state at LAYERS and after the final norm (cprag.decoding.verify)."""
+    return verifier_states(model, tokenizer, texts, list(LAYERS), batch_size=batch).numpy()
 
 
 def fit_probe(features: np.ndarray, labels: np.ndarray, weight_decay: float = 1e-2):
-    """Standardised L2 logistic regression (LBFGS); returns the scoring function."""
-    x, y = torch.tensor(features), torch.tensor(labels, dtype=torch.float32)
-    mean, scale = x.mean(0), x.std(0) + 1e-4
-    z = (x - mean) / scale
-    weight, bias = torch.zeros(z.shape[1], requires_grad=True), torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], max_iter=300, line_search_fn="strong_wolfe")
-
-    def closure():
-        optimizer.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ weight + bias, y)
-        loss = loss + weight_decay * (weight * weight).sum()
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
-    return lambda f: (((torch.tensor(f) - mean) / scale) @ weight + bias).detach().numpy()
-
-
-def auc(positive: np.ndarray, score: np.ndarray) -> float:
-    ranks = np.empty(len(score))
-    ranks[np.argsort(score, kind="stable")] = np.arange(1, len(score) + 1)
-    n1, n0 = positive.sum(), len(positive) - positive.sum()
-    return float((ranks[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+    """Standardised L2 logistic regression (LBFGS, cprag.training.verifier_train.fit_head); the scoring function."""
+    mean, scale, weight, bias = fit_head(torch.tensor(features), torch.tensor(labels), weight_decay)
+    return lambda f: (((torch.tensor(f) - mean) / scale) @ weight + bias).numpy()
 
 
 def withheld_at_rule(score: np.ndarray, answerable: np.ndarray, f1: np.ndarray, drop: float = 5.0) -> float:
     """The largest share of unanswerable questions withheld (score below a threshold) while HasAns F1 stays within
     `drop` points of answering always."""
-    always, best = f1[answerable].mean(), 0.0
-    for threshold in np.unique(score):
-        withheld = score < threshold
-        if always - np.where(withheld[answerable], 0, f1[answerable]).mean() <= drop:
-            best = max(best, float(withheld[~answerable].mean()))
-    return best
+    return threshold_at_rule(score, answerable, f1, drop)[1]
 
 
 def training_pairs(train_file: Path, negatives_file: Path, pairs: int, wrong_sentences: bool, seed: int):

@@ -10,7 +10,7 @@ from cprag.cli import app
 from cprag.evaluation.needle import NEEDLE, build_haystack
 from cprag.index.reader import open_snapshot
 from cprag.model.checkpoint import load_model
-from tests.tiny_models import DOCS, tiny_checkpoint, write_jsonl
+from tests.tiny_models import DOCS, tiny_checkpoint, verifier_beside, write_jsonl
 from tests.tiny_squad import tiny_squad
 
 
@@ -154,6 +154,31 @@ def test_eval_squad_with_an_index_reports_recall(tmp_path, checkpoint):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["retrieval/faiss"] == "ivf" and 0.0 <= summary["retrieval/recall@5_vs_exact"] <= 1.0
+
+
+def test_eval_verifies_answers_and_scores_both_ways(tmp_path, checkpoint):
+    data = tiny_squad(tmp_path / "tiny2.json", missing_answer=False, unanswerable=True)
+    copying = tiny_checkpoint(tmp_path / "copying", copy_everything=True, successor=(6.0, 0.0))  # copies spans
+    doubting = verifier_beside(copying, tmp_path / "ckpt", 1.0)  # withholds every verified answer
+    args = ["eval", "squad2", str(data), "--modes", "hidden", "--out", str(tmp_path / "out"), "--checkpoint",
+            str(doubting), "--min-confidence", "0", "--json"]
+    verified = json.loads(CliRunner().invoke(app, args).stdout)
+    results = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    checked = [r for r in results if r["answerable"] is not None]
+    assert checked and all(0 < r["answerable"] < 1 for r in checked)
+    assert all(r["answerable"] is None for r in results if not r["prediction"])  # nothing to verify
+    assert verified["qa2/hidden+verifier/noans_acc"] == 100.0 and verified["qa2/hidden+verifier/threshold"] == 1.0
+    assert verified["qa2/hidden+verifier/has_f1_always"] == verified["qa2/hidden/has_f1"]  # unverified row unmoved
+    assert "qa2/hidden+verifier/auc" in verified and "hidden+verifier" in (tmp_path / "out" / "report.md").read_text()
+    plain = json.loads(CliRunner().invoke(app, [*args, "--no-verify"]).stdout)
+    assert not any("verif" in key for key in plain)
+    squad = json.loads(CliRunner().invoke(app, ["eval", "squad", str(tiny_squad(tmp_path / "tiny.json")), "--oracle",
+                                                "--modes", "hidden", "--out", str(tmp_path / "v1"), "--checkpoint",
+                                                str(doubting), "--json"]).stdout)
+    assert squad["verify/hidden/withheld"] == pytest.approx(squad["verify/hidden/verified"] / squad["qa/hidden/n"])
+    assert squad["qa/hidden+verifier/f1"] <= squad["qa/hidden/f1"] and squad["latency/verify_ms"] > 0
+    refused = CliRunner().invoke(app, [*args[:-4], str(checkpoint), "--verify"])
+    assert refused.exit_code != 0 and "ships no verifier" in refused.output
 
 
 def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):

@@ -103,6 +103,7 @@ def test_concurrent_requests_are_decoded_together_with_the_answers_of_one_at_a_t
     ({"question": "Who?", "mode": "loud"}, 422, "mode"),
     ({"question": "Who?", "max_new_tokens": 500}, 422, "max_new_tokens"),
     ({"question": "Who?", "min_confidence": 2}, 422, "min-confidence"),
+    ({"question": "Who?", "verify": True}, 422, "ships no verifier"),
     ({"k": 2}, 422, "question"),
 ])
 def test_bad_requests_get_a_clear_4xx_json_error(index, body, status, words):
