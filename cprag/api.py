@@ -226,9 +226,7 @@ class Index:
 
     def verifying(self, verify: bool | None) -> bool:
         """Whether answers are verified: `verify`, or by default when the checkpoint ships a verifier."""
-        if verify and self.verifier is None:
-            raise ConfigError("--verify", True, f"this checkpoint ships no verifier ({VERIFIER_FILE})")
-        return VERIFY and self.verifier is not None if verify is None else bool(verify)
+        return chosen_verifier(self.verifier, verify) is not None
 
     def verify_answers(self, answers: list[Answer], read: dict[int, list]) -> None:
         """Score each decoded answer's cited sentence against its question (one batch), and withhold the answers
@@ -327,6 +325,14 @@ def load_verifier(checkpoint: str | Path | None, model_config) -> AnswerVerifier
         raise CheckpointError(str(directory), f"{VERIFIER_FILE} reads states of width {verifier.hidden_size}, not "
                               "this checkpoint's: it belongs to another checkpoint")
     return verifier
+
+
+def chosen_verifier(verifier: AnswerVerifier | None, verify: bool | None) -> AnswerVerifier | None:
+    """The verifier that checks answers: the checkpoint's `verifier` when `verify` asks for it (None: by default,
+    when there is one); None when answers go unverified. Asking for one the checkpoint lacks is an error."""
+    if verify and verifier is None:
+        raise ConfigError("--verify", True, f"this checkpoint ships no verifier ({VERIFIER_FILE})")
+    return verifier if (VERIFY if verify is None else verify) else None
 
 
 def ask(question: str, index: str | Path, k: int = 5, mode: str = "hidden", **kwargs) -> Answer:

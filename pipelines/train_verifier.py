@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cprag.decoding.verify import answer_sentence, verifier_prompt, verifier_states
+from cprag.decoding.verify import verifier_prompt, verifier_states
 from cprag.evaluation.metrics import auc, threshold_at_rule
+from cprag.evaluation.verified import found_sentence
 from cprag.model.answer_verifier import PROMPT_TEMPLATE, AnswerVerifier
 from cprag.model.checkpoint import load_model, model_fingerprint
 from cprag.model.runtime import place, resolve_dtype
@@ -43,15 +44,9 @@ def answered_pairs(squad2: Path, results: Path) -> tuple[list[tuple[str, str]], 
     contexts = {f'{a["title"]}#{i}': p["context"] for a in data for i, p in enumerate(a["paragraphs"])}
     rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     rows = [row for row in rows if row["mode"] == "hidden"]
-    pairs = []
-    for row in rows:
-        sentence = contexts.get(row["passages"][0], "")[:300]
-        for passage in row["passages"]:
-            found = contexts.get(passage, "").find(row["prediction"]) if row["prediction"] else -1
-            if found >= 0:
-                sentence = answer_sentence(contexts[passage], found, found + len(row["prediction"]))
-                break
-        pairs.append((sentence, row["question"]))
+    # an answer found in no passage (or none given) is read beside the start of the first passage
+    pairs = [(found_sentence(row["prediction"], row["passages"], contexts)
+              or contexts.get(row["passages"][0], "")[:300], row["question"]) for row in rows]
     return (pairs, np.array([bool(r["references"]) for r in rows]), np.array([r["f1"] for r in rows], float),
             np.array([r.get("confidence") or 0.0 for r in rows]))
 

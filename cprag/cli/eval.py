@@ -49,16 +49,9 @@ MIN_CONFIDENCE_EVAL = typer.Option(0.0, "--min-confidence", help="Withhold answe
 
 def _verifier(checkpoint, model_config, verify: bool | None):
     """The checkpoint's verifier when answers are to be verified (`--verify`; by default when it ships one)."""
-    from cprag.api import VERIFY, load_verifier
-    from cprag.errors import ConfigError
-    from cprag.model.answer_verifier import VERIFIER_FILE
+    from cprag.api import chosen_verifier, load_verifier
 
-    if verify is False or (verify is None and not VERIFY):
-        return None
-    verifier = load_verifier(checkpoint, model_config)
-    if verify and verifier is None:
-        raise ConfigError("--verify", True, f"this checkpoint ships no verifier ({VERIFIER_FILE})")
-    return verifier
+    return None if verify is False else chosen_verifier(load_verifier(checkpoint, model_config), verify)
 
 
 @reports_errors

@@ -99,12 +99,8 @@ RULE_DROP = 5.0  # HasAns F1 points the abstention threshold may cost (the proje
 def auc(positive: np.ndarray, score: np.ndarray) -> float:
     """The probability that a random positive scores above a random negative (ties count half)."""
     positive = np.asarray(positive, dtype=bool)
-    order = np.argsort(score, kind="stable")
-    ranks = np.empty(len(score))
-    ranks[order] = np.arange(1, len(score) + 1)
-    for value in np.unique(score):  # ties share their mean rank
-        tied = score == value
-        ranks[tied] = ranks[tied].mean()
+    _, group, counts = np.unique(np.asarray(score), return_inverse=True, return_counts=True)
+    ranks = (np.cumsum(counts) - (counts - 1) / 2)[group]  # 1-based ranks; tied scores share their mean rank
     n1, n0 = positive.sum(), (~positive).sum()
     if n1 == 0 or n0 == 0:
         return float("nan")
@@ -114,7 +110,9 @@ def auc(positive: np.ndarray, score: np.ndarray) -> float:
 def threshold_at_rule(score: np.ndarray, answerable: np.ndarray, f1: np.ndarray, drop: float = RULE_DROP
                       ) -> tuple[float, float]:
     """(threshold, share of unanswerable withheld): the threshold withholding the most unanswerable questions
-    (score below it) while HasAns F1 (percent) stays within `drop` points of answering always."""
+    (score below it) while HasAns F1 (percent) stays within `drop` points of answering always. `threshold_within`'s
+    rule, with the threshold halfway between the last score withheld and the next (not on the next answerable
+    score), as a probability fitted on one sample is applied to others."""
     score, answerable, f1 = np.asarray(score, float), np.asarray(answerable, bool), np.asarray(f1, float)
     order = np.argsort(score, kind="stable")
     sorted_score = score[order]

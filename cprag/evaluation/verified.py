@@ -20,16 +20,22 @@ from cprag.evaluation.oracle_qa import QAResult
 VERIFIED_MODES = ("hidden", "visible")  # the modes whose answers are spans of passages
 
 
-def result_sentence(result: QAResult, passages: dict[str, tuple[str, str]]) -> str | None:
-    """The sentence of the first passage read (in memory order) that holds the answer's text; None without one."""
-    if not result.prediction:
+def found_sentence(prediction: str, passage_ids: list[str], texts: dict[str, str]) -> str | None:
+    """The sentence of the first passage (in memory order) whose text holds `prediction`; None without one."""
+    if not prediction:
         return None
-    for passage_id in result.passages:
-        text = passages.get(passage_id, ("", ""))[1]
-        found = text.find(result.prediction)
+    for passage_id in passage_ids:
+        text = texts.get(passage_id, "")
+        found = text.find(prediction)
         if found >= 0:
-            return answer_sentence(text, found, found + len(result.prediction))
+            return answer_sentence(text, found, found + len(prediction))
     return None
+
+
+def result_sentence(result: QAResult, passages: dict[str, tuple[str, str]]) -> str | None:
+    """The sentence of the first passage read that holds the answer's text; None without one."""
+    texts = {passage_id: passages[passage_id][1] for passage_id in result.passages if passage_id in passages}
+    return found_sentence(result.prediction, result.passages, texts)
 
 
 def verify_results(model, tokenizer, verifier, results: list[QAResult], passages: dict[str, tuple[str, str]],
