@@ -208,22 +208,32 @@ def write_squad_report(out_dir: str | Path, summary: dict, results: list[QAResul
         others = "\n".join(f"- `{k}`: {v}" for k, v in sorted(summary.items()))
         (out_dir / "report.md").write_text(f"# {title}\n\n{others}\n")
         return []
-    plots = [bar_plot(out_dir / "f1_by_mode.png", modes, [[summary[f"qa/{m}/em"] for m in modes],
-                                                              [summary[f"qa/{m}/f1"] for m in modes]],
+    verified = [m for m in modes if f"qa/{m}+verifier/f1" in summary]
+    labels = modes + [f"{m}+verifier" for m in verified]
+    plots = [bar_plot(out_dir / "f1_by_mode.png", labels, [[summary[f"qa/{m}/em"] for m in labels],
+                                                               [summary[f"qa/{m}/f1"] for m in labels]],
                        ["EM", "F1"], "score (%)", f"{title}: EM and F1 by mode")]
     latencies = [[r.latency_ms for r in results if r.mode == m] for m in modes]
     plots.append(_box_plot(out_dir / "latency_by_mode.png", modes, latencies, "latency per question (ms)",
                            f"{title}: latency by mode"))
-    rows = "\n".join(
-        f"| {m} | {summary[f'qa/{m}/n']} | {summary[f'qa/{m}/em']:.1f} | {summary[f'qa/{m}/f1']:.1f} | "
-        f"{summary[f'qa/{m}/copy_rate']:.2f} | {summary[f'latency/{m}/p50_ms']:.0f} | "
-        f"{summary[f'latency/{m}/p90_ms']:.0f} |" for m in modes
-    )
+    withheld = {m: 100 * float(np.mean([r.no_answer for r in results if r.mode == m])) for m in modes}
+    rows = [f"| {m} | {summary[f'qa/{m}/n']} | {summary[f'qa/{m}/em']:.1f} | {summary[f'qa/{m}/f1']:.1f} | "
+            f"{withheld[m]:.1f}% | {summary[f'qa/{m}/copy_rate']:.2f} | {summary[f'latency/{m}/p50_ms']:.0f} | "
+            f"{summary[f'latency/{m}/p90_ms']:.0f} |" for m in modes]
+    # a verified row: the same answers, less those the verifier withholds (answers already withheld by confidence
+    # were not verified, so the shares add); its latency is the verifier's mean cost on top of the mode's
+    rows += [f"| {m}+verifier | {summary[f'qa/{m}/n']} | {summary[f'qa/{m}+verifier/em']:.1f} | "
+             f"{summary[f'qa/{m}+verifier/f1']:.1f} | {withheld[m] + 100 * summary[f'verify/{m}/withheld']:.1f}% | "
+             f"{summary[f'qa/{m}/copy_rate']:.2f} | +{summary['latency/verify_ms']:.0f} | "
+             f"+{summary['latency/verify_ms']:.0f} |" for m in verified]
     others = "\n".join(f"- `{k}`: {v}" for k, v in sorted(summary.items())
-                       if not k.startswith(("qa/", "latency/")) or "+verifier" in k or "verify" in k)
+                       if not k.startswith(("qa/", "latency/")) or "verify" in k)
     (out_dir / "report.md").write_text(
-        f"# {title}\n\n| mode | n | EM | F1 | copy rate | p50 ms | p90 ms |\n|---|---|---|---|---|---|---|\n{rows}\n\n"
-        f"{others}\n\n![F1 by mode](f1_by_mode.png)\n\n![latency by mode](latency_by_mode.png)\n"
+        f"# {title}\n\n| mode | n | EM | F1 | withheld | copy rate | p50 ms | p90 ms |\n"
+        f"|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        + ("In `+verifier` rows the answers the verifier doubts are withheld (cprag.evaluation.verified); their "
+           "latency is the verifier's mean cost per answer, on top of the mode's.\n\n" if verified else "")
+        + f"{others}\n\n![F1 by mode](f1_by_mode.png)\n\n![latency by mode](latency_by_mode.png)\n"
     )
     return plots
 

@@ -16,6 +16,7 @@ hundreds of rows can differ in the last bf16 bit, as any change of batch shape c
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -24,9 +25,20 @@ from torch import nn
 
 
 def packing_supported(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether `pack_linears` and `pack_decoder_layers` apply: bf16 on a CPU with oneDNN."""
+    """Whether `pack_linears` and `pack_decoder_layers` apply: bf16 on a CPU whose oneDNN has a bf16 path.
+
+    oneDNN's bf16 kernels need AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; on a CPU without them (an AMD EPYC with
+    AVX2 only, say) reordering a weight raises, so a bf16 model there runs on plain `nn.Linear`s instead."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and onednn_has_bf16())
+
+
+@functools.cache
+def onednn_has_bf16() -> bool:
+    """Whether this CPU runs oneDNN's bf16 kernels (PyTorch's own check, which its CPU compiler also asks)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def _packed(weights: list[torch.Tensor]) -> torch.Tensor:

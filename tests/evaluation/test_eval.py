@@ -177,6 +177,8 @@ def test_eval_verifies_answers_and_scores_both_ways(tmp_path, checkpoint):
                                                 str(doubting), "--json"]).stdout)
     assert squad["verify/hidden/withheld"] == pytest.approx(squad["verify/hidden/verified"] / squad["qa/hidden/n"])
     assert squad["qa/hidden+verifier/f1"] <= squad["qa/hidden/f1"] and squad["latency/verify_ms"] > 0
+    report = (tmp_path / "v1" / "report.md").read_text()  # the verified figures are a row of eval squad's table
+    assert f"| hidden+verifier | {squad['qa/hidden/n']} | {squad['qa/hidden+verifier/em']:.1f} |" in report
     refused = CliRunner().invoke(app, [*args[:-4], str(checkpoint), "--verify"])
     assert refused.exit_code != 0 and "ships no verifier" in refused.output
 
