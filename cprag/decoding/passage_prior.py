@@ -10,7 +10,6 @@ questions it never trained on (`eval/passage-prior/`), and saved beside it as `p
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from cprag.errors import ConfigError
+from cprag.model.sidecar import load_sidecar, save_sidecar
 
 PASSAGE_PRIOR_FILE = "passage_prior.json"
 FORMAT_VERSION = 1
@@ -33,20 +33,13 @@ class PassagePrior:
         check_weight(self.weight)
 
     def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / PASSAGE_PRIOR_FILE
-        path.write_text(json.dumps({"format_version": FORMAT_VERSION, **asdict(self)}, indent=1) + "\n")
-        return path
+        return save_sidecar(Path(directory) / PASSAGE_PRIOR_FILE, FORMAT_VERSION, asdict(self), indent=1)
 
     @classmethod
     def load(cls, directory: str | Path) -> PassagePrior | None:
         """The prior saved in a checkpoint directory, or None when it has none."""
-        path = Path(directory) / PASSAGE_PRIOR_FILE
-        if not path.exists():
-            return None
-        values = json.loads(path.read_text())
-        if values.pop("format_version", None) != FORMAT_VERSION:
-            raise ValueError(f"{path}: not passage-prior format {FORMAT_VERSION}")
-        return cls(**values)
+        values = load_sidecar(Path(directory) / PASSAGE_PRIOR_FILE, FORMAT_VERSION, "passage-prior")
+        return None if values is None else cls(**values)
 
 
 def check_weight(weight: float) -> float:

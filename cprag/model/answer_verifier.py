@@ -15,11 +15,12 @@ given another (`fits`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from cprag.model.sidecar import load_sidecar, save_sidecar
 
 VERIFIER_FILE = "verifier.json"
 FORMAT_VERSION = 1
@@ -71,18 +72,11 @@ class AnswerVerifier:
         return torch.sigmoid(z @ weight + self.bias)  # (N,)
 
     def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / VERIFIER_FILE
-        path.write_text(json.dumps({"format_version": FORMAT_VERSION, **asdict(self)}) + "\n")
-        return path
+        return save_sidecar(Path(directory) / VERIFIER_FILE, FORMAT_VERSION, asdict(self))
 
     @classmethod
     def load(cls, directory: str | Path) -> AnswerVerifier | None:
         """The verifier saved in a checkpoint directory, or None when it has none."""
-        path = Path(directory) / VERIFIER_FILE
-        if not path.exists():
-            return None
-        values = json.loads(path.read_text())
-        if values.pop("format_version", None) != FORMAT_VERSION:
-            raise ValueError(f"{path}: not verifier format {FORMAT_VERSION}")
-        return cls(**values)
+        values = load_sidecar(Path(directory) / VERIFIER_FILE, FORMAT_VERSION, "verifier")
+        return None if values is None else cls(**values)
 
