@@ -7,6 +7,14 @@ Importing cprag loads no model: everything heavy happens inside the functions th
     print(index.ask("When was the lighthouse at Varna Point built?").answer)
 """
 
+import os
+
+# oneMKL's strict conditional numerical reproducibility: its kernels then give the same bits whatever the thread
+# count and whatever else the cores are doing (without it, 1 and 2 threads gave different keys, in fp32 and bf16).
+# MKL reads this once, at its first call, so it is set here, before torch loads; a user's own value wins.
+# cprag.model.reproducible checks that it took.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 __version__ = "0.1.0"
 __all__ = ["Index", "ask", "build_index", "index_info"]
 

@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from cprag.decoding.passage_prior import PASSAGE_PRIOR_FILE, PassagePrior, check_weight
-from cprag.decoding.prompt import MODES, prompt_ids
+from cprag.decoding.prompt import ASK_MODES, prompt_ids
 from cprag.decoding.prompt_prefix import PromptPrefix, prompt_prefix
 from cprag.decoding.rerank import RERANKER_FILE, StartReranker, check_start_beam, default_start_beam
 from cprag.decoding.results import Citation
 from cprag.decoding.route import decode_questions
+from cprag.decoding.span_read import read_passages
 from cprag.decoding.verify import cited_sentence, verify
 from cprag.errors import CheckpointError, ConfigError, QuestionTooLong, TooFewPassages
 from cprag.index.key_cache import KEY_CACHE_DTYPE, KeyCache
@@ -77,8 +78,10 @@ class Index:
 
     def __init__(self, path: str | Path, checkpoint: str | Path | None = None, device: str | None = None,
                  model=None, tokenizer=None, cache_bytes: int = 512 * 2**20, dtype: str | None = None,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, reader: str | Path | None = None):
         self.path = Path(path)
+        self.reader_path = None if reader is None else Path(reader)  # None: the reader shipped beside the checkpoint
+        self._reader = None
         self.checkpoint = None if checkpoint is None else Path(checkpoint)  # None: the shipped one
         # the index's own files first: a damaged index fails in milliseconds, before seconds of model loading;
         # the last committed version, even while `cprag index` updates it (cprag.index.reader)
@@ -133,8 +136,19 @@ class Index:
         fresh = Index(self.path, checkpoint=self.checkpoint, device=self.device, model=self.model,
                       tokenizer=self.tokenizer, cache_bytes=self.cache.max_bytes, fingerprint=self.fingerprint)
         fresh.reranker, fresh._prefix, fresh.passage_prior = self.reranker, self._prefix, self.passage_prior
-        fresh.verifier = self.verifier
+        fresh.verifier, fresh.reader_path, fresh._reader = self.verifier, self.reader_path, self._reader
         return fresh
+
+    @property
+    def reader(self):
+        """The span reader of mode "reader" (loaded at its first question; refused when trained on another base)."""
+        if self._reader is None:
+            from cprag.model.reader_checkpoint import check_reader_base, load_reader
+
+            check_reader_base(self.reader_path, self.model.config.base_model)
+            dtype = next(self.model.parameters()).dtype
+            self._reader, _ = load_reader(self.reader_path, device=self.device, dtype=dtype)
+        return self._reader
 
     def retrieve(self, questions: list[str], k: int):
         if k < 1:
@@ -174,7 +188,7 @@ class Index:
         streaming = on_token is not None or cancelled is not None
         if start_beam is None:
             start_beam = 1 if streaming else self.start_beam
-        verifying = self.verifying(verify) and mode != "closed"
+        verifying = self.verifying(verify) and mode not in ("closed", "reader")
         if verifying and min_confidence is None:
             min_confidence = 0.0  # the verifier decides instead of the copy path's confidence
         threshold = self.check_questions(questions, mode, min_confidence, min_retrieval_score, start_beam, batch_size,
@@ -200,6 +214,9 @@ class Index:
                                          timings_ms={name: round(ms, 1) for name, ms in timings.items()})
             else:
                 pending.append((number, passages, read, timings, [h.score for h in found]))
+        if mode == "reader":
+            self.read_answers(answers, questions, pending)
+            return answers
         # the route (cprag.decoding.route): batched, one continuous batch of at most batch_size questions (each
         # start_beam rows) refilled as answers finish, or one question at a time
         decoded = decode_questions(
@@ -223,6 +240,35 @@ class Index:
         if verifying:
             self.verify_answers(answers, {number: passages for number, passages, *_ in pending})
         return answers
+
+    def read_answers(self, answers: list[Answer | None], questions: list[str], pending: list) -> None:
+        """Mode "reader": the span reader reads the retrieved passages' stored text; its null entry can say the
+        passages hold no answer (`no_answer_reason` "reader", with the span it would have given)."""
+        if not pending:
+            return
+        tick = time.perf_counter()
+        found = read_passages(self.reader, self.tokenizer, [questions[n] for n, *_ in pending],
+                              [[p.passage.text for p in passages] for _, passages, *_ in pending])
+        share = (time.perf_counter() - tick) * 1000 / len(pending)
+        for (number, passages, read, timings, _), span in zip(pending, found, strict=True):
+            timings["read"] = share
+            timings["total"] = sum(timings.values())
+            citations = []
+            if span is not None:
+                stored = passages[span.passage].passage
+                citations = placed([Citation(doc_id=stored.doc_id, title=stored.title, text=span.text,
+                                             start=stored.char_start + span.char_start,
+                                             end=stored.char_start + span.char_end)], [passages[span.passage]])
+            withheld = span is None or span.no_answer
+            answers[number] = Answer(
+                question=questions[number], answer="" if withheld else span.text, mode="reader",
+                citations=[] if withheld else citations, passages=read, copy_rate=0.0 if withheld else 1.0,
+                confidence=None if span is None else round(span.probability, 4), no_answer=withheld,
+                no_answer_reason="reader" if withheld else None,
+                answerable=None if span is None else round(span.answerable, 4),
+                withheld_answer=span.text if span is not None and withheld else None,
+                withheld_citations=citations if withheld else [],
+                timings_ms={name: round(ms, 1) for name, ms in timings.items()})
 
     def verifying(self, verify: bool | None) -> bool:
         """Whether answers are verified: `verify`, or by default when the checkpoint ships a verifier."""
@@ -256,8 +302,8 @@ class Index:
                         max_new_tokens=32) -> float:
         """Bad input before any work (and before the retrieval floor could answer it "no answer"); returns the
         confidence threshold."""
-        if mode not in MODES:
-            raise ConfigError("--mode", mode, f"expected one of {', '.join(MODES)}")
+        if mode not in ASK_MODES:
+            raise ConfigError("--mode", mode, f"expected one of {', '.join(ASK_MODES)}")
         if not questions:
             raise ConfigError("questions", questions, "no questions to answer")
         threshold = self.model.config.min_confidence if min_confidence is None else min_confidence

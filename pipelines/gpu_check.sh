@@ -4,15 +4,15 @@
 #
 #   pipelines/gpu_check.sh [--out DIR] [--wheels DIR] [--dry-run]
 #
-# --out DIR     where the report goes (default: gpu-check/; $OUT when set, as on the device tool's machines)
+# --out DIR     where the report goes (default: gpu-check/, or $OUT when that is set)
 # --wheels DIR  install missing Python packages from these wheels (no network needed), into /tmp/cprag-site
 # --dry-run     print the plan and check here that every step's command exists; needs no GPU, runs in CI
 #
-# On the device tool's H200 image, python3 already holds torch (CUDA), transformers, safetensors, typer, rich,
-# numpy, pyarrow, matplotlib and pytest; gguf travels as a wheel (pipelines/README.md says how to fetch it).
-# LanceDB's wheels (75 + 85 MB) and the default backbone's (94 MB) are larger than a device call may carry
-# (64 MiB), so there the steps that need an index are reported as skipped, and the rest still run.
-# Example (device tool): command "pipelines/gpu_check.sh --wheels .whl", carry [".whl"].
+# On a machine whose python3 already holds torch (CUDA), transformers, safetensors, typer, rich, numpy, pyarrow,
+# matplotlib and pytest, the missing packages (gguf, say) can come as wheels in a folder (--wheels). Where LanceDB
+# or the default backbone's wheel cannot be installed, the steps that need an index are reported as skipped, and
+# the rest still run.
+# Example: pipelines/gpu_check.sh --wheels wheels/ --out gpu-check/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

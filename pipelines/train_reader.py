@@ -1,18 +1,25 @@
-"""Train the visible span reader (`cprag.model.span_reader`) on SQuAD-format data, then score it.
+"""Train the span reader (`cprag.model.span_reader`) on the activation cache, then score it.
 
     python pipelines/train_reader.py ../shared/data/squad-v1.1-train.json --out runs/reader \
-        --max-steps 2000 --validation ../shared/data/squad-v1.1-dev-public.json --validation-questions 1000
+        --max-questions 32000 --max-steps 2000 --snapshot-questions 8000,16000 \
+        --validation ../shared/data/squad-v1.1-dev-public.json --validation-questions 1000
 
-Resumes from `OUT/state.pt` when rerun with the same arguments; progress goes to `OUT/progress.jsonl` (one JSON
-line per logged step, with tokens/s and the ETA) and to stderr. The reader lands in `OUT/reader`; copy it to
-`cprag/checkpoints/default/reader` to ship it. On a GPU the same command runs there (`--device cuda`).
+The lower blocks' states come from the CPLM training's activation cache of the same file (the same folder
+`cprag train` builds and reuses; `--no-build` trains on the chunks already there). Resumes from `OUT/state.pt`
+when rerun with the same arguments; progress goes to `OUT/progress.jsonl` (one JSON line per logged step, with
+seconds per step and the ETA) and to stderr. The adapters start from the CPLM checkpoint's on the same blocks
+(`--no-warm`: fresh). The reader lands in `OUT/reader`; copy it to `cprag/checkpoints/default/reader` to ship it.
+`--cost-steps 20` runs 20 steps in a scratch folder and prints the measured cost of the whole run instead.
+On a GPU the same command runs there (`--device cuda`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -24,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("train", help="SQuAD-format training file")
     parser.add_argument("--out", required=True, help="run folder (state, progress, the reader)")
-    parser.add_argument("--config", help="JSON of ReaderTrainConfig fields")
+    parser.add_argument("--checkpoint", default=None, help="CPLM checkpoint: the cache's model and the warm start "
+                        "(default: the shipped one)")
+    parser.add_argument("--no-warm", action="store_true", help="fresh adapters instead of the checkpoint's")
+    parser.add_argument("--no-build", action="store_true", help="train on the cache chunks already on disk")
+    parser.add_argument("--snapshot-questions", default="", help="comma-separated question counts to snapshot at")
+    parser.add_argument("--cost-steps", type=int, default=0, help="measure this many steps, print the run's cost")
     parser.add_argument("--validation", help="SQuAD file to score the reader on (gold + 4 distractors)")
     parser.add_argument("--validation-questions", type=int, default=1000)
     parser.add_argument("--device", default=None)
@@ -37,37 +49,89 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cprag.evaluation.squad import read_squad
-    from cprag.model.reader_checkpoint import new_reader
+    from cprag.model.cpu_features import fastest_cpu_dtype
     from cprag.model.runtime import default_device
-    from cprag.training.reader_train import prepare_reader_data, train_reader
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    values = json.loads(Path(args.config).read_text()) if args.config else {}
+    device = args.device or default_device()
+    values = {"dtype": fastest_cpu_dtype() if device == "cpu" else "bfloat16"}
     for f in fields(ReaderTrainConfig):
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
-    config = ReaderTrainConfig(**values)
-    device = args.device or default_device()
+    if args.snapshot_questions:
+        values["snapshot_questions"] = [int(n) for n in args.snapshot_questions.split(",")]
     out = Path(args.out)
     reader_dir = out / "reader"
     if not (reader_dir / "reader.safetensors").is_file():
-        reader, tokenizer = new_reader(seed=config.seed, **config.reader)
-        reader.to(device)
-        started = time.perf_counter()
-        data = prepare_reader_data(tokenizer, read_squad(args.train))
-        print(f"{len(data.examples)} training questions ({data.skipped} skipped), tokenized in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        reader, data, config = prepare(args, values, device)
+        if args.cost_steps:
+            return measure_cost(reader, data, config, args.cost_steps)
+        from cprag.training.reader_train import train_reader
 
         def show(line: dict) -> None:
             print(json.dumps(line), file=sys.stderr, flush=True)
 
-        figures = train_reader(reader, tokenizer, data, config, out, on_step=show)
+        figures = train_reader(reader, data, config, out, on_step=show)
         print(json.dumps(figures), file=sys.stderr)
     if args.validation:
         score(reader_dir, args.validation, args.validation_questions, device, out)
+    return 0
+
+
+def prepare(args, values: dict, device: str):
+    """The activation cache (built or resumed unless --no-build), the reader (warm-started) and its data."""
+    from cprag.evaluation.squad import read_squad
+    from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
+    from cprag.model.cpu_features import fastest_cpu_dtype
+    from cprag.model.reader_checkpoint import new_reader, warm_start
+    from cprag.training.examples import activation_cache, prepare_examples
+    from cprag.training.reader_train import ReaderData, ReaderTrainConfig
+
+    config = ReaderTrainConfig(**values)
+    started = time.perf_counter()
+    model, tokenizer = load_model(args.checkpoint)
+    data = read_squad(args.train)
+    examples = prepare_examples(tokenizer, data)
+    reader, _ = new_reader(seed=config.seed)
+    split = reader.config.split_layer
+
+    def progress(done: int, total: int, tokens: int) -> None:
+        print(json.dumps({"cache": f"{done}/{total}", "tokens": tokens}), file=sys.stderr, flush=True)
+
+    cache, figures = activation_cache(model, tokenizer, examples, Path(args.train), split,
+                                      fastest_cpu_dtype() if device == "cpu" else "bfloat16", config.seed,
+                                      build=not args.no_build, on_progress=progress)
+    print(json.dumps({"cache": str(cache.directory), **figures}), file=sys.stderr, flush=True)
+    del model
+    if not args.no_warm:
+        config.warm_from = str(args.checkpoint) if args.checkpoint else "the shipped CPLM checkpoint"
+        taken = warm_start(reader, args.checkpoint or DEFAULT_CHECKPOINT)
+        print(f"warm start: {taken} adapters from {config.warm_from}", file=sys.stderr)
+    reader.to(device)
+    texts = {pid: text for pid, (_, text) in data.passages.items()}
+    prepared = ReaderData.build(examples, cache, split, texts, config.max_questions)
+    print(f"{len(prepared.questions)} training questions in the cache, prepared in "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return reader, prepared, config
+
+
+def measure_cost(reader, data, config, steps: int) -> int:
+    """Run `steps` steps in a scratch folder; print seconds per step and the whole run's cost."""
+    from cprag.training.reader_train import ReaderTrainConfig, train_reader
+
+    scratch = Path(tempfile.mkdtemp(prefix="reader-cost-"))
+    try:
+        trial = ReaderTrainConfig(**{**asdict(config), "max_steps": steps, "log_every": steps,
+                                     "save_every": 10 ** 9, "snapshot_questions": []})
+        started = time.perf_counter()
+        train_reader(reader, data, trial, scratch)
+        per_step = (time.perf_counter() - started) / steps
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(json.dumps({"cost_steps": steps, "seconds_per_step": round(per_step, 2), "planned_steps":
+                      config.max_steps, "planned_hours": round(per_step * config.max_steps / 3600, 2)}))
     return 0
 
 

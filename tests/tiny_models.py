@@ -61,12 +61,12 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, seed: int = 0):
+def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 32):
     """Write a random 2-layer Llama with a byte-level tokenizer as an F32 GGUF. Returns the source LlamaModel."""
     import gguf
 
     torch.manual_seed(seed)
-    config = tiny_llama_config()
+    config = tiny_llama_config(hidden=hidden)
     model = AutoModel.from_config(config).eval()
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-test-llama")
@@ -146,11 +146,11 @@ def write_jsonl(path, docs):
     return path
 
 
-def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None, **head):
+def tiny_checkpoint(directory, seed=0, copy_everything=False, successor=None, hidden=32, **head):
     """A CPLM on a tiny GGUF base, saved as a checkpoint; optionally forced to copy every token, with a
     successor bias of the given (continue, end) weights, and with other head options (given random weights)."""
     directory.mkdir(parents=True, exist_ok=True)
-    write_tiny_gguf(directory / "base.gguf")
+    write_tiny_gguf(directory / "base.gguf", hidden=hidden)
     torch.manual_seed(seed)
     options = dict(successor_bias=True) if successor else {}
     model, _ = new_cplm(gguf_reference(directory / "base.gguf"), key_dim=8, copy_bias_init=0.0, **options, **head)

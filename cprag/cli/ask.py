@@ -28,6 +28,10 @@ def ask_command(
     k: int = typer.Option(5, "-k", help="Passages to retrieve."),
     visible: bool = typer.Option(False, "--visible", help="Baseline: put the passages in the prompt instead."),
     closed: bool = typer.Option(False, "--closed", help="Baseline: no passages at all."),
+    reader: bool = typer.Option(False, "--reader", help="Read the retrieved passages' text with the span reader "
+                                "shipped beside the checkpoint (or --reader-path) instead of copying from keys."),
+    reader_path: Path = typer.Option(None, "--reader-path", help="With --reader: a span reader's folder "
+                                     "(pipelines/train_reader.py)."),
     questions: Path = typer.Option(None, "--questions", help="File of questions: one per line, or JSONL."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers whose confidence (the "
@@ -53,6 +57,7 @@ def ask_command(
 
     Example: cprag ask "When was the lighthouse at Varna Point built?" --index indexes/demo
     Example: cprag ask --questions questions.txt --index indexes/demo --batch-size 16 --json
+    Example: cprag ask "Who designed the glass bridge of Tellin?" --index indexes/demo --reader
     """
     from cprag.api import BATCH_SIZE, MIN_RETRIEVAL_SCORE, Index
     from cprag.decoding.rerank import check_start_beam
@@ -77,12 +82,16 @@ def ask_command(
     floor = MIN_RETRIEVAL_SCORE if min_retrieval_score is None else min_retrieval_score
     if (question is None) == (questions is None):
         raise ConfigError("QUESTION/--questions", question or questions, "give a question or --questions, not both")
-    if visible and closed:
-        raise ConfigError("--visible/--closed", True, "choose one baseline")
-    mode = "visible" if visible else "closed" if closed else "hidden"
+    if visible + closed + reader > 1:
+        raise ConfigError("--visible/--closed/--reader", True, "choose one of them")
+    if reader_path is not None and not reader:
+        raise ConfigError("--reader-path", str(reader_path), "goes with --reader")
+    mode = "visible" if visible else "closed" if closed else "reader" if reader else "hidden"
     batch = [question] if questions is None else read_questions(questions)
     with err.status("loading the model and the index"):
-        opened = Index(index, checkpoint=checkpoint, device=device, dtype=dtype)
+        opened = Index(index, checkpoint=checkpoint, device=device, dtype=dtype, reader=reader_path)
+        if reader:
+            opened.reader  # noqa: B018 - a missing reader, or one on another base, fails before any answer
     # every question checked before the first is answered; then answers appear batch by batch
     opened.verifying(verify)  # --verify with a checkpoint that ships no verifier fails before any answer
     opened.check_questions(batch, mode, min_confidence, floor, start_beam, batch_size, max_new_tokens)
@@ -106,6 +115,9 @@ def render_answer(answer, opened) -> None:
 
     if answer.no_answer_reason == "retrieval":
         text = Text("The passages hold no answer to this question: none of them is about it.", style="bold yellow")
+    elif answer.no_answer_reason == "reader":
+        text = Text("The passages hold no answer to this question.", style="bold yellow")
+        text.append(f'\n(the reader prefers no answer to the span "{answer.withheld_answer}")', style="dim")
     elif answer.no_answer_reason == "verifier":
         text = Text("The passages hold no answer to this question.", style="bold yellow")
         text.append(f'\n(the verifier doubts the span "{answer.withheld_answer}")', style="dim")

@@ -118,8 +118,9 @@ def eval_squad_command(
         verifier = _verifier(checkpoint, model.config, verify)
         span_reader = None
         if "reader" in config.modes and index is None:
-            from cprag.model.reader_checkpoint import load_reader
+            from cprag.model.reader_checkpoint import check_reader_base, load_reader
 
+            check_reader_base(reader, model.config.base_model)
             span_reader, _ = load_reader(reader)
     reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(

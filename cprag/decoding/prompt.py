@@ -6,6 +6,9 @@ SYSTEM = "Answer the question with a short phrase."
 
 # hidden: the passages as CP keys only; visible: the passages in the prompt; closed: no passages
 MODES = ("hidden", "visible", "closed")
+# what `ask` answers in: the decoding modes, and "reader", the span reader over the passages' text (no prompt here:
+# cprag.decoding.span_read)
+ASK_MODES = (*MODES, "reader")
 
 
 def _messages(question: str, passages: list[str] | None) -> list[dict]:

@@ -12,6 +12,8 @@
 - latency/verify@k5_ms: the answer verifier's pass per answer, latency/verify_over_hidden_ask@k5 that pass over
   an ask without it, and latency/verified_over_hidden_ask@k5 the ask with it over the ask without (both as
   shipped: default start beam, answers to their natural end)
+- latency/reader_ask@k5_ms: an ask in mode "reader" (the span reader reads the 5 retrieved passages' text) and
+  latency/reader_over_hidden_ask@k5 its ratio to a hidden ask (both unverified), when a reader is shipped
 
 Asks are greedy (`start_beam=1`) unless a figure says beam: the figures compare with earlier runs that were.
 """
@@ -156,6 +158,21 @@ def verify_latency(index, questions: list[str], k: int = 5) -> dict[str, float]:
             f"latency/verify@k{k}_ms": round(median["verify"] * 1000, 1),
             f"latency/verify_over_hidden_ask@k{k}": round(median["verify"] / median["hidden"], 3),
             f"latency/verified_over_hidden_ask@k{k}": round(median["verified"] / median["hidden"], 3)}
+
+
+def reader_latency(index, questions: list[str], k: int = 5) -> dict[str, float]:
+    """Per-question ask latency (warm shards) of a hidden ask and of a reader ask over the same passages, medians."""
+    k = min(k, len(index))
+    options = dict(k=k, min_confidence=0.0, min_retrieval_score=-1.0, verify=False)
+    times: dict[str, list[float]] = {"hidden": [], "reader": []}
+    index.ask(questions[0], mode="reader", **options)  # loads the reader once, outside the timings
+    for question in questions:
+        for mode in times:
+            seconds, _ = _timed(lambda q=question, m=mode: index.ask(q, mode=m, **options), 1)
+            times[mode].append(seconds)
+    median = {name: float(np.median(values)) for name, values in times.items()}
+    return {f"latency/reader_ask@k{k}_ms": round(median["reader"] * 1000, 1),
+            f"latency/reader_over_hidden_ask@k{k}": round(median["reader"] / median["hidden"], 3)}
 
 
 def warm_vs_cold(index, questions: list[str], k: int = 5, new_tokens: int = 8) -> dict[str, float]:

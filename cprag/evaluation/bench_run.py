@@ -96,10 +96,12 @@ def measure_figures(opened, model, tokenizer, chosen: list, settings: BenchSetti
         encode_vs_forward,
         latency_hidden_vs_visible,
         memory_figures,
+        reader_latency,
         start_beam_latency,
         verify_latency,
         warm_vs_cold,
     )
+    from cprag.model.reader_checkpoint import reader_base, reader_exists
 
     asked = [f"What is said about {d.title or d.id}?" for d in chosen][:settings.questions]
     figures = {}
@@ -113,6 +115,10 @@ def measure_figures(opened, model, tokenizer, chosen: list, settings: BenchSetti
     if opened.verifier is not None:
         on_stage("the verifier's cost beside a hidden ask")
         figures.update(verify_latency(opened, asked))
+    base = (model.config.base_model or {}).get("sha256")
+    if reader_exists(opened.reader_path) and reader_base(opened.reader_path).get("sha256") == base:
+        on_stage("a reader ask beside a hidden one")
+        figures.update(reader_latency(opened, asked))
     on_stage("warm vs cold key-shard cache")
     figures.update(warm_vs_cold(opened, asked))
     if settings.batch_questions > 0:

@@ -38,6 +38,7 @@ class QAResult:
     no_answer: bool = False  # withheld: confidence below the threshold
     stop_probability: float | None = None  # the probability of ending at once (with passages)
     answerable: float | None = None  # the verifier's p(answerable) (cprag.evaluation.verified; None: not verified)
+    withheld_answer: str | None = None  # the span a reader gave up for "no answer" (mode reader)
 
 
 def oracle_passage_ids(example: QAExample, all_ids: list[str], distractors: int, rng: random.Random) -> list[str]:
@@ -151,6 +152,7 @@ def evaluate_oracle(
                     references=example.answers, em=100 * em, f1=100 * f1, copy_rate=generation.copy_rate,
                     latency_ms=latency, passages=chosen[i], confidence=generation.confidence,
                     stop_probability=generation.stop_probability, no_answer=generation.no_answer,
+                    withheld_answer=getattr(generation, "withheld_answer", None),
                 )
                 results.append(result)
                 if on_result:
@@ -165,18 +167,26 @@ class ReaderGeneration:
     answer: str
     copy_rate: float  # 1: every answer is a span of a passage
     confidence: float | None  # the span's probability
-    stop_probability: float | None = None
+    stop_probability: float | None = None  # the null entry's probability
     no_answer: bool = False
+    withheld_answer: str | None = None  # the span given up for "no answer"
 
 
 def _read(reader, tokenizer, questions: list[str], texts: list[list[str]]
           ) -> list[tuple[ReaderGeneration, float]]:
-    """The span reader's answers, with each question's share of the batch's time."""
+    """The span reader's answers ("" where it says the passages hold none), with each question's share of the
+    batch's time."""
     started = time.perf_counter()
     answers = read_passages(reader, tokenizer, questions, texts)
     share = 1000 * (time.perf_counter() - started) / max(len(questions), 1)
-    return [(ReaderGeneration(answer=a.text if a else "", copy_rate=1.0 if a else 0.0,
-                              confidence=a.probability if a else None), share) for a in answers]
+    found = []
+    for a in answers:
+        withheld = a is None or a.no_answer
+        found.append((ReaderGeneration(answer="" if withheld else a.text, copy_rate=0.0 if withheld else 1.0,
+                                       confidence=a.probability if a else None,
+                                       stop_probability=a.null_probability if a else None, no_answer=withheld,
+                                       withheld_answer=a.text if a is not None and a.no_answer else None), share))
+    return found
 
 
 def _reader_only(reader, tokenizer, examples, passages, distractors, seed, batch_size, on_result) -> list[QAResult]:
@@ -195,7 +205,9 @@ def _reader_only(reader, tokenizer, examples, passages, distractors, seed, batch
             result = QAResult(qid=examples[i].qid, mode="reader", question=examples[i].question,
                               prediction=generation.answer, references=examples[i].answers, em=100 * em,
                               f1=100 * f1, copy_rate=generation.copy_rate, latency_ms=latency, passages=chosen[i],
-                              confidence=generation.confidence)
+                              confidence=generation.confidence, no_answer=generation.no_answer,
+                              stop_probability=generation.stop_probability,
+                              withheld_answer=generation.withheld_answer)
             results.append(result)
             if on_result:
                 on_result(result)

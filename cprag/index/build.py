@@ -32,6 +32,7 @@ from cprag.index.store import (
     write_manifest,
 )
 from cprag.model.checkpoint import model_fingerprint
+from cprag.model.reproducible import blas_reproducible
 
 if TYPE_CHECKING:
     from cprag.index.ray_runner import RayIndexSettings
@@ -361,6 +362,8 @@ def _manifest(model, fingerprint: str, embedder, config: IndexConfig, index_dir:
         "key_dim": model.config.key_dim,
         "key_dtype": config.key_codec,
         "encode_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        # keys that do not depend on the thread count or a competing load (cprag.model.reproducible)
+        "reproducible_blas": blas_reproducible(),
         "token_id_dtype": "int32",
         "retriever": embedder.describe(),
         "max_passage_tokens": config.max_passage_tokens,

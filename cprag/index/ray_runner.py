@@ -189,8 +189,9 @@ def _ray_modules():
 
 def _connect(ray, settings: RayIndexSettings) -> None:
     """Join the cluster at `settings.address`, or start a local one; the driver's CPRAG_* settings (cache folder,
-    dtype) travel to the workers, so they convert and encode as this process would."""
-    env = {name: value for name, value in os.environ.items() if name.startswith("CPRAG_")}
+    dtype) and MKL's reproducibility mode travel to the workers, so they convert and encode as this process would
+    (an actor reserves fewer threads than the driver has: only that mode keeps its keys equal)."""
+    env = {name: value for name, value in os.environ.items() if name.startswith("CPRAG_") or name == "MKL_CBWR"}
     runtime_env = {"env_vars": env} if env else None
     if settings.address not in (None, "auto"):
         _check_reachable(settings.address)

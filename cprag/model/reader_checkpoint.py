@@ -1,8 +1,8 @@
-"""Saving and loading the visible span reader (`cprag.model.span_reader`).
+"""Saving and loading the span reader (`cprag.model.span_reader`).
 
-A reader folder holds `reader_config.json` and `reader.safetensors`: the adapters and the span head only. The
-backbone comes from the base GGUF the config references, as a CPLM checkpoint's does. The shipped reader sits in
-`cprag/checkpoints/default/reader/`.
+A reader folder holds `reader_config.json` and `reader.safetensors`: the adapters, the null state and the span head.
+The backbone comes from the base the config references (its sha256 is the reader's fingerprint: a reader is
+refused beside a CPLM on another base). The shipped reader sits in `cprag/checkpoints/default/reader/`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from cprag.errors import CheckpointError
 from cprag.model.adapters import merge
 from cprag.model.backbone import BaseReference, default_reference, load_backbone
+from cprag.model.runtime import reuse_freed_memory
 from cprag.model.span_reader import SpanReader, SpanReaderConfig
 
 READER_CONFIG = "reader_config.json"
@@ -25,14 +27,33 @@ DEFAULT_READER = Path(__file__).resolve().parents[1] / "checkpoints" / "default"
 
 
 def new_reader(ref: BaseReference | None = None, seed: int = 0, **overrides):
-    """A reader with fresh adapters and head on a base backbone (the default GGUF when ref is None).
+    """A reader with fresh adapters, null state and head on a base backbone (the default GGUF when ref is None).
 
     Returns (reader, tokenizer)."""
     ref = ref or default_reference()
     backbone, tokenizer = load_backbone(ref)
     torch.manual_seed(seed)
-    config = SpanReaderConfig(base_model=ref.to_dict(), hidden_size=backbone.config.hidden_size, **overrides)
+    config = SpanReaderConfig(base_model=ref.to_dict(), num_layers=backbone.config.num_hidden_layers,
+                              hidden_size=backbone.config.hidden_size, **overrides)
     return SpanReader(config, backbone), tokenizer
+
+
+def warm_start(reader: SpanReader, checkpoint: str | Path) -> int:
+    """Start the reader's adapters from a CPLM checkpoint's adapters on the same blocks (trained on the copy path,
+    they already read SQuAD-like text). Returns how many adapters were taken; those of another rank are not."""
+    path = Path(checkpoint) / "model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(str(checkpoint), "no model.safetensors to warm-start the reader from")
+    taken = 0
+    with safe_open(str(path), "pt") as stored, torch.no_grad():
+        names = set(stored.keys())
+        for name, delta in reader.adapters.items():
+            a, b = f"adapters.{name}.lora_A", f"adapters.{name}.lora_B"
+            if a in names and stored.get_slice(a).get_shape() == list(delta.lora_A.shape):
+                delta.lora_A.copy_(stored.get_tensor(a))
+                delta.lora_B.copy_(stored.get_tensor(b))
+                taken += 1
+    return taken
 
 
 def save_reader(reader: SpanReader, path: str | Path, extra: dict | None = None) -> Path:
@@ -44,7 +65,7 @@ def save_reader(reader: SpanReader, path: str | Path, extra: dict | None = None)
     staging = path / f".{READER_WEIGHTS}.tmp"
     save_file(state, staging)
     os.replace(staging, path / READER_WEIGHTS)
-    config = reader.config.to_dict() | {"kind": "span-reader"} | (extra or {})
+    config = reader.config.to_dict() | {"kind": "split-span-reader"} | (extra or {})
     (path / f".{READER_CONFIG}.tmp").write_text(json.dumps(config, indent=2) + "\n")
     os.replace(path / f".{READER_CONFIG}.tmp", path / READER_CONFIG)
     return path
@@ -55,6 +76,23 @@ def reader_exists(path: str | Path | None = None) -> bool:
     return (path / READER_CONFIG).is_file() and (path / READER_WEIGHTS).is_file()
 
 
+def reader_base(path: str | Path | None = None) -> dict:
+    """The base reference a saved reader was trained on, without loading it."""
+    path = Path(path) if path is not None else DEFAULT_READER
+    return json.loads((path / READER_CONFIG).read_text())["base_model"]
+
+
+def check_reader_base(path: str | Path | None, model_base: dict | None) -> None:
+    """Refuse a reader trained on another base than the CPLM beside it (their sha256 differ). A folder with no
+    reader is left to `load_reader`, which says so."""
+    if not model_base or not reader_exists(path):
+        return
+    found = reader_base(path).get("sha256")
+    if found != model_base.get("sha256"):
+        raise CheckpointError(str(path or DEFAULT_READER), f"this reader was trained on base {str(found)[:12]}, not "
+                              f"on this checkpoint's base {str(model_base.get('sha256'))[:12]}")
+
+
 def load_reader(path: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
                 merged: bool = True):
     """(reader, tokenizer) from a reader folder (default: the shipped one), for inference unless `merged` is False
@@ -63,17 +101,25 @@ def load_reader(path: str | Path | None = None, device: str = "cpu", dtype: torc
     if not reader_exists(path):
         raise CheckpointError(str(path), f"no span reader here ({READER_CONFIG} and {READER_WEIGHTS}); train one "
                               "with `python pipelines/train_reader.py`")
-    config = SpanReaderConfig.from_dict(json.loads((path / READER_CONFIG).read_text()))
+    values = json.loads((path / READER_CONFIG).read_text())
+    if values.get("kind") != "split-span-reader":
+        raise CheckpointError(str(path), f"not a split span reader (kind {values.get('kind')!r}); retrain it with "
+                              "`python pipelines/train_reader.py`")
+    config = SpanReaderConfig.from_dict(values)
     backbone, tokenizer = load_backbone(BaseReference.from_dict(config.base_model))
     reader = SpanReader(config, backbone)
     stored = load_file(path / READER_WEIGHTS)
     expected = reader.trained_state()
-    if set(stored) != set(expected):
+    if set(stored) != set(expected) or any(stored[k].shape != expected[k].shape for k in stored):
         raise CheckpointError(str(path), "its tensors do not match its config")
     reader.load_state_dict(stored, strict=False)
     if merged:
+        if torch.device(device).type == "cpu":
+            reuse_freed_memory()  # a read allocates tens of MB per pass; fresh mappings cost the kernel each time
         merge(reader.backbone, reader.adapters)
         reader.backbone.to(device, dtype)
         reader.span_head.to(device, torch.float32)
         reader.adapters.to(device)
+        reader.null.data = reader.null.data.to(device)
     return reader.eval(), tokenizer
+

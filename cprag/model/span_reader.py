@@ -1,41 +1,60 @@
-"""The visible span reader: the backbone reads the question, then one passage, and a span head scores where the
-answer starts and where it ends among the passage's tokens.
+"""The span reader: a reader that sees the passage, split so that its lower blocks read question and passage apart.
 
-This is the extractive reader that sees the text (question first, so every passage state has read the question),
-the fair baseline for hidden keys and the teacher they can be distilled from. The backbone is the CPLM's base,
-with low-rank adapters of its own on `adapter_layers`; the head is one linear map per decision.
+Blocks below `split_layer` run on the question's prompt alone and on each passage alone ([BOS] + its tokens, as
+`cprag index` encodes it). Those states are exactly what the training activation cache holds
+(`cprag.training.activations`), so training never runs the lower blocks. At the split the two join:
+
+    [question prompt ; passage tokens ; null]  ->  blocks split..L-1 (own low-rank adapters)  ->  norm  ->  span head
+
+The joined row is causal with the question first, so every passage state from the split up has read the question.
+Positions are renumbered 0..m+n for the joined row (rotary positions are applied inside attention; the cached states
+carry none). The last position is a learned `null` state: it has read both sides, and its start and end scores are
+the no-answer output, normalised together with the spans' (as BERT's on SQuAD 2.0).
 
 The backbone is causal, so a state at token i has not read what follows i, yet a span's end is decided by what
-follows it ("Jacques Lefevre" ends before " (c. 1455"). Each position's features are therefore the states of the
-position and of the `lookahead` positions after it, concatenated.
+follows it. The span head therefore reads each position's state with the states of the `lookahead` positions
+after it (within the same joined row).
 
-A question's passages are read one per row. Training normalises the start (and end) scores over all of a
-question's rows together (shared normalisation, Clark & Gardner 2018), so scores compare across passages, which
-is how the best span among k passages is chosen at question time.
+A question's rows (one per passage window) are normalised together (shared normalisation, Clark & Gardner 2018),
+so raw scores compare across passages; the rows' null scores enter that normalisation as one entry, their
+log-mean-exp, so that reading more passages does not by itself make "no answer" likelier.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cprag.model.adapters import ALL_MODULES, build_adapters
+from cprag.model.cplm import run_blocks
 
 NEG = -1e4  # a masked score: far below any real one, finite so that bf16 and softmax stay well defined
+SPLIT_FRACTION = 0.6  # the default split: blocks below 60% of the depth read each side alone (18 of 30)
 
 
 @dataclass
 class SpanReaderConfig:
     base_model: dict  # the BaseReference dict of the backbone (cprag.model.backbone)
-    adapter_layers: list[int] = field(default_factory=lambda: list(range(12, 30)))
+    num_layers: int  # the backbone's depth
+    hidden_size: int
+    split_layer: int | None = None  # None: round(SPLIT_FRACTION * num_layers)
     adapter_rank: int = 16
     adapter_alpha: float = 32.0
     lookahead: int = 2  # each position also sees the states of this many positions after it
     max_answer_tokens: int = 30  # the longest span the reader gives
-    hidden_size: int = 576
+
+    def __post_init__(self):
+        if self.split_layer is None:
+            self.split_layer = round(SPLIT_FRACTION * self.num_layers)
+        if not 0 < self.split_layer < self.num_layers:
+            raise ValueError(f"split_layer {self.split_layer} must lie inside the backbone's {self.num_layers} blocks")
+
+    @property
+    def adapter_layers(self) -> list[int]:
+        return list(range(self.split_layer, self.num_layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +63,52 @@ class SpanReaderConfig:
     def from_dict(cls, values: dict) -> SpanReaderConfig:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in values.items() if k in known})
+
+
+@dataclass
+class JoinedRows:
+    """Joined sequences packed into rows: what `SpanReader.top` reads and what its scores are indexed by."""
+
+    hidden: torch.Tensor  # (R, T, H) states entering the split
+    positions: torch.Tensor  # (R, T) position ids, restarting at 0 for each joined sequence
+    ahead: torch.Tensor  # (R, T, lookahead) flat index (row * T + column) of each position's lookahead states,
+    # R * T (a zero state) past the end of its own sequence
+    places: list[tuple[int, int, int, int]]  # per sequence: (row, first column, question length, passage length)
+
+
+def pack_joined(pairs: list[tuple[torch.Tensor, torch.Tensor]], null: torch.Tensor, lookahead: int,
+                row_tokens: int) -> JoinedRows:
+    """Pack [question ; passage ; null] sequences into rows of about `row_tokens` (first fit, longest first).
+
+    pairs: (question states (m, H), passage states (n, H)) per sequence; null (H,)."""
+    lengths = [len(q) + len(p) + 1 for q, p in pairs]
+    rows: list[int] = []  # tokens used per row
+    placed: list[tuple[int, int]] = [(0, 0)] * len(pairs)
+    for index in sorted(range(len(pairs)), key=lambda i: -lengths[i]):
+        row = next((r for r, used in enumerate(rows) if used + lengths[index] <= row_tokens), None)
+        if row is None:
+            rows.append(0)
+            row = len(rows) - 1
+        placed[index] = (row, rows[row])
+        rows[row] += lengths[index]
+    width = max(rows)
+    dtype = pairs[0][0].dtype
+    hidden = torch.zeros(len(rows), width, null.shape[-1], dtype=dtype, device=null.device)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    ahead = torch.full((len(rows), width, lookahead), len(rows) * width, dtype=torch.long)
+    places = []
+    for (q, p), (row, first), n in zip(pairs, placed, lengths, strict=True):
+        hidden[row, first: first + len(q)] = q
+        hidden[row, first + len(q): first + n - 1] = p
+        hidden[row, first + n - 1] = null.to(dtype)
+        positions[row, first: first + n] = torch.arange(n)
+        for k in range(1, lookahead + 1):
+            own = torch.arange(first + k, first + n)  # lookahead k stays inside the sequence
+            ahead[row, first: first + n - k, k - 1] = row * width + own
+        places.append((row, first, len(q), len(p)))
+    for row, used in enumerate(rows):  # row padding: one more sequence of its own
+        positions[row, used:] = torch.arange(width - used)
+    return JoinedRows(hidden, positions, ahead, places)
 
 
 class SpanHead(nn.Module):
@@ -55,11 +120,12 @@ class SpanHead(nn.Module):
         self.norm = nn.LayerNorm(hidden_size * (1 + lookahead))
         self.proj = nn.Linear(hidden_size * (1 + lookahead), 2)
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden (B, T, H) -> start scores (B, T), end scores (B, T)."""
-        ahead = [F.pad(hidden[:, k:], (0, 0, 0, k)) for k in range(1, self.lookahead + 1)]  # (B, T, H) each
-        features = torch.cat([hidden, *ahead], dim=-1)  # (B, T, H (1 + lookahead))
-        scores = self.proj(self.norm(features))  # (B, T, 2)
+    def forward(self, hidden: torch.Tensor, ahead: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (R, T, H); ahead (R, T, lookahead) flat indices (R·T: zeros) -> start, end scores (R, T)."""
+        rows, width, size = hidden.shape
+        flat = torch.cat([hidden.reshape(rows * width, size), hidden.new_zeros(1, size)])  # (R·T + 1, H)
+        following = flat[ahead.reshape(-1)].reshape(rows, width, self.lookahead * size)  # (R, T, H·lookahead)
+        scores = self.proj(self.norm(torch.cat([hidden, following], dim=-1)))  # (R, T, 2)
         return scores[..., 0], scores[..., 1]
 
 
@@ -72,33 +138,54 @@ class SpanReader(nn.Module):
             parameter.requires_grad_(False)
         self.adapters = build_adapters(backbone, config.adapter_layers, list(ALL_MODULES), config.adapter_rank,
                                        config.adapter_alpha)
+        # the no-answer position's state at the split, at the scale of the states there
+        self.null = nn.Parameter(torch.randn(config.hidden_size) / math.sqrt(config.hidden_size))
         self.span_head = SpanHead(config.hidden_size, config.lookahead)
 
     def trained_state(self) -> dict[str, torch.Tensor]:
-        """What a reader checkpoint stores: the adapters and the head (the backbone comes from its GGUF)."""
+        """What a reader checkpoint stores: the adapters, the null state and the head (the backbone is the base's)."""
         return {name: tensor for name, tensor in self.state_dict().items() if not name.startswith("backbone.")}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, attention_mask (B, T) -> start, end scores (B, T), in fp32."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-        return self.span_head(hidden.float())
+    def bottom(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids of sequences read alone -> the states entering the split (B, T, H)."""
+        hidden = self.backbone.embed_tokens(input_ids)
+        hidden, _ = run_blocks(self.backbone, hidden, attention_mask, 0, self.config.split_layer)
+        return hidden
+
+    def top(self, joined: JoinedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Joined rows -> start, end scores (R, T) in fp32, from blocks split..L-1, the final norm and the head."""
+        hidden, _ = run_blocks(self.backbone, joined.hidden, None, self.config.split_layer, self.config.num_layers,
+                               position_ids=joined.positions.to(joined.hidden.device))
+        hidden = self.backbone.norm(hidden).float()
+        return self.span_head(hidden, joined.ahead.to(hidden.device))
 
 
-def shared_span_loss(start: torch.Tensor, end: torch.Tensor, candidates: torch.Tensor, gold_row: torch.Tensor,
-                     gold_start: torch.Tensor, gold_end: torch.Tensor, rows_per_question: int) -> torch.Tensor:
-    """Mean of the start and end cross-entropies, each normalised over all positions of a question's rows.
+def question_scores(start: torch.Tensor, end: torch.Tensor, joined: JoinedRows, sequences: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One question's start and end logits over its sequences' passage positions, then its null entry
+    (log-mean-exp of the sequences' null scores): two (N + 1,) tensors, passages in `sequences` order."""
+    starts, ends, null_starts, null_ends = [], [], [], []
+    for s in sequences:
+        row, first, m, n = joined.places[s]
+        starts.append(start[row, first + m: first + m + n])
+        ends.append(end[row, first + m: first + m + n])
+        null_starts.append(start[row, first + m + n])
+        null_ends.append(end[row, first + m + n])
+    log_count = math.log(len(sequences))
+    null_start = torch.logsumexp(torch.stack(null_starts), 0) - log_count
+    null_end = torch.logsumexp(torch.stack(null_ends), 0) - log_count
+    return torch.cat([*starts, null_start[None]]), torch.cat([*ends, null_end[None]])
 
-    start, end (Q·P, T) scores; candidates (Q·P, T) bool, the passage positions; gold_row (Q,) which of a
-    question's P rows holds its answer; gold_start, gold_end (Q,) positions in that row.
-    """
-    rows, width = start.shape
-    questions = rows // rows_per_question
-    target = gold_row * width  # (Q,) the flat index of the gold row's first position
-    mask = candidates.view(questions, rows_per_question * width)  # (Q, P·T)
+
+def span_loss(start: torch.Tensor, end: torch.Tensor, start_ok: torch.Tensor, end_ok: torch.Tensor,
+              gold_start: int | None, gold_end: int | None) -> torch.Tensor:
+    """Mean of the start and end cross-entropies of one question over its (N + 1,) logits (the last is null);
+    positions that cannot start (end) a span are masked. An unanswerable question's target is null."""
     losses = []
-    for scores, gold in ((start, gold_start), (end, gold_end)):
-        flat = scores.view(questions, rows_per_question * width).masked_fill(~mask, NEG)  # (Q, P·T)
-        losses.append(F.cross_entropy(flat, target + gold))
+    for scores, ok, gold in ((start, start_ok, gold_start), (end, end_ok, gold_end)):
+        masked = scores.masked_fill(~ok, NEG)
+        target = len(scores) - 1 if gold is None else gold
+        losses.append(torch.logsumexp(masked, 0) - masked[target])
     return (losses[0] + losses[1]) / 2
 
 

@@ -23,8 +23,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from cprag.decoding.prompt import MODES
-from cprag.errors import ConfigError, CpragError, IndexBusy, IndexUnfinished, QuestionTooLong, TooFewPassages
+from cprag.decoding.prompt import ASK_MODES
+from cprag.errors import (
+    CheckpointError,
+    ConfigError,
+    CpragError,
+    IndexBusy,
+    IndexUnfinished,
+    QuestionTooLong,
+    TooFewPassages,
+)
 from cprag.index.reader import manifest_stamp
 from cprag.serve.request_batcher import Batcher, Job
 
@@ -62,7 +70,8 @@ class ServeConfig:
 class AskRequest(BaseModel):
     question: str = Field(..., description="The question.", examples=["When was the lighthouse built?"])
     k: int = Field(5, description="Passages to retrieve.")
-    mode: str = Field("hidden", description="hidden (keys), visible (passages in the prompt) or closed.")
+    mode: str = Field("hidden", description="hidden (keys), visible (passages in the prompt), closed, or reader "
+                      "(the span reader reads the passages' text).")
     max_new_tokens: int = Field(32, description="Most tokens in the answer.")
     min_confidence: float | None = Field(None, description="Withhold answers below this (default: the model's).")
     verify: bool | None = Field(None, description="Withhold answers the verifier doubts (default: on when the "
@@ -192,8 +201,8 @@ async def _invalid(_request, exc: RequestValidationError):
 def _check(config: ServeConfig, index, questions: list[str], k: int, mode: str, max_new_tokens: int,
            min_confidence, verify: bool | None = None):
     """None, or the 4xx response for the first bad value."""
-    if mode not in MODES:
-        return error(422, "invalid", f"mode: expected one of {', '.join(MODES)}, not {mode!r}")
+    if mode not in ASK_MODES:
+        return error(422, "invalid", f"mode: expected one of {', '.join(ASK_MODES)}, not {mode!r}")
     if not 1 <= k <= min(config.max_k, len(index)):
         return error(422, "invalid", f"k: must be between 1 and {min(config.max_k, len(index))}, not {k}")
     if not 1 <= max_new_tokens <= config.max_new_tokens:
@@ -208,6 +217,11 @@ def _check(config: ServeConfig, index, questions: list[str], k: int, mode: str, 
         return error(413, "too_large", str(failure))
     except (ConfigError, TooFewPassages) as failure:
         return error(422, "invalid", str(failure))
+    if mode == "reader":
+        try:
+            index.reader  # noqa: B018 - loaded once; a missing reader or one on another base is refused here
+        except CheckpointError as failure:
+            return error(422, "invalid", f"mode: {failure}")
     return None
 
 

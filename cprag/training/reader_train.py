@@ -1,12 +1,19 @@
-"""Training the visible span reader on SQuAD-format data: resumable, with a progress file.
+"""Training the span reader on the activation cache: resumable, with a progress file.
 
-Each step reads `questions_per_step` questions. A question's rows are its own passage (a window holding the
-answer, when the passage is longer than a row) and `distractors` other passages of the same article, and its
-start and end are trained by cross-entropy normalised over all of those rows (`shared_span_loss`). Only the
-adapters and the head train; blocks below the first adapted one run without autograd, so they cost a forward.
+The lower blocks never run: a question's prompt states and its passages' states entering the split are read from
+the activation cache the CPLM's training builds (`cprag.training.examples.activation_cache`: `q/<qid>` holds the
+prompt, then the answer, and its first `prompt_len` states are the prompt's alone; `p/<pid>` holds [BOS] +
+passage). Each step joins them and runs the upper blocks with autograd.
+
+Each step reads `questions_per_step` questions. An answerable question's rows are its own passage (a window
+holding the answer, when the passage is longer than a row) and `distractors` other passages of the same article;
+its start and end are trained by cross-entropy normalised over all of those rows and the null entry. A share
+`no_answer_fraction` of the questions is asked with distractors alone (1 + `distractors` of them) and trained to
+answer null.
 
 The run folder holds `state.pt` (weights, optimiser, step: written atomically every `save_every` steps, and the
-run resumes from it), `progress.jsonl` (one line per logged step) and, at the end, the reader itself.
+run resumes from it), `progress.jsonl` (one line per logged step), `reader-q<N>/` snapshots after N questions
+(`snapshot_questions`, for a learning curve) and, at the end, the reader itself in `reader/`.
 """
 
 from __future__ import annotations
@@ -22,17 +29,11 @@ from pathlib import Path
 
 import torch
 
-from cprag.decoding.span_read import (
-    ReaderRow,
-    pad_rows,
-    question_prefix,
-    windows,
-    word_bounds,
-)
-from cprag.evaluation.squad import SquadData, answer_token_span, article_of
-from cprag.index.encode import tokenize_passage
+from cprag.decoding.span_read import ROW_TOKENS, windows, word_bounds
 from cprag.model.reader_checkpoint import save_reader
-from cprag.model.span_reader import SpanReader, shared_span_loss
+from cprag.model.span_reader import SpanReader, pack_joined, question_scores, span_loss
+from cprag.training.activations import ActivationCache
+from cprag.training.examples import Examples, TrainQuestion
 
 STATE = "state.pt"
 PROGRESS = "progress.jsonl"
@@ -40,86 +41,106 @@ PROGRESS = "progress.jsonl"
 
 @dataclass
 class ReaderTrainConfig:
-    max_steps: int = 2000
-    questions_per_step: int = 8
+    max_steps: int = 1000
+    questions_per_step: int = 16
     distractors: int = 1  # other passages of the same article read beside the gold one
-    lr: float = 3e-4  # adapters
-    head_lr: float = 1e-3
-    warmup_steps: int = 50
+    no_answer_fraction: float = 0.125  # questions asked with distractors alone, trained to answer null
+    lr: float = 5e-4  # adapters
+    head_lr: float = 3e-3  # span head and null state
+    warmup_steps: int = 20
     weight_decay: float = 0.0
-    row_tokens: int = 320  # the longest training row (a long passage is cut to a window holding the answer)
-    max_questions: int | None = None  # the first N of the seeded order (None: all)
-    save_every: int = 50
-    log_every: int = 10
+    max_questions: int | None = None  # the first N questions of the cache's plan (None: every cached one)
+    save_every: int = 25
+    log_every: int = 5
+    snapshot_questions: list[int] = field(default_factory=list)  # save reader-q<N>/ after N questions
     seed: int = 0
-    dtype: str = "bfloat16"  # autocast dtype of the backbone's passes
-    reader: dict = field(default_factory=dict)  # SpanReaderConfig overrides (adapter_layers, rank, lookahead)
-
-
-@dataclass
-class ReaderExample:
-    qid: str
-    question: str
-    passage_id: str
-    span: tuple[int, int]  # inclusive token range of the first answer in its passage
+    dtype: str = "float32"  # the upper blocks' compute: "bfloat16" (autocast) or "float32"
+    warm_from: str | None = None  # a CPLM checkpoint whose adapters on the same blocks start the reader's
 
 
 @dataclass
 class ReaderData:
-    tokens: dict[str, tuple[list[int], list[tuple[int, int]], list[bool], list[bool]]]  # pid -> ids, offsets, bounds
-    by_article: dict[str, list[str]]
-    examples: list[ReaderExample]
-    skipped: int
+    """Cached questions and passages the reader trains on, and each passage's text (for word bounds)."""
+
+    cache: ActivationCache
+    layer: int  # index of the split's states in the cache's layers
+    questions: list[TrainQuestion]
+    by_article: dict[str, list[str]]  # cached passage ids per article
+    texts: dict[str, str]
+    offsets: dict[str, list[tuple[int, int]]]
+
+    @classmethod
+    def build(cls, examples: Examples, cache: ActivationCache, split: int, texts: dict[str, str],
+              max_questions: int | None = None) -> ReaderData:
+        if split not in cache.layers:
+            raise ValueError(f"the activation cache holds layers {cache.layers}, not the reader's split {split}")
+        order = {key: i for i, key in enumerate(k for chunk in cache.plan["chunks"] for k in chunk)}
+        questions = sorted((q for q in examples.questions if not q.impossible), key=lambda q: order.get(
+            f"q/{q.qid}", len(order)))
+        if max_questions is not None:
+            questions = questions[:max_questions]
+        questions = [q for q in questions if f"q/{q.qid}" in cache and f"p/{q.passage_id}" in cache]
+        if max_questions is not None and len(questions) < max_questions:
+            raise ValueError(f"the cache holds {len(questions)} of the first {max_questions} questions: build more "
+                             "of it first")
+        by_article: dict[str, list[str]] = {}
+        for pid in examples.passages:
+            if f"p/{pid}" in cache:
+                by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
+        offsets = {pid: p.offsets for pid, p in examples.passages.items()}
+        return cls(cache, cache.layers.index(split), questions, by_article, texts, offsets)
+
+    def passage(self, pid: str) -> torch.Tensor:
+        """(n, H) float32 states of the passage's own tokens entering the split (its BOS dropped)."""
+        return torch.from_numpy(self.cache.get(f"p/{pid}")[1:, self.layer].astype("float32"))
+
+    def prompt(self, question: TrainQuestion) -> torch.Tensor:
+        return torch.from_numpy(self.cache.get(f"q/{question.qid}")[: question.prompt_len, self.layer]
+                                .astype("float32"))
+
+    def bounds(self, pid: str) -> tuple[list[bool], list[bool]]:
+        return word_bounds(self.texts[pid], self.offsets[pid])
 
 
-def prepare_reader_data(tokenizer, data: SquadData, max_answer_tokens: int = 30) -> ReaderData:
-    tokens = {}
-    for pid, (_, text) in data.passages.items():
-        t = tokenize_passage(tokenizer, text)
-        starts, ends = word_bounds(text, t.offsets)
-        tokens[pid] = (t.ids, t.offsets, starts, ends)
-    by_article: dict[str, list[str]] = {}
-    for pid in data.passages:
-        by_article.setdefault(article_of(pid), []).append(pid)
-    examples, skipped = [], 0
-    for e in data.examples:
-        if not e.answers:
-            skipped += 1
-            continue
-        offsets = tokens[e.passage_id][1]
-        span = answer_token_span(offsets, e.answer_start, e.answer_start + len(e.answers[0]))
-        if span is None or span[1] - span[0] + 1 > max_answer_tokens:
-            skipped += 1
-            continue
-        examples.append(ReaderExample(e.qid, e.question, e.passage_id, span))
-    return ReaderData(tokens, by_article, examples, skipped)
+@dataclass
+class _Asked:
+    sequences: list[int]  # indices into the step's pairs, gold window first
+    starts_ok: torch.Tensor  # (N + 1,) bool over the question's positions, then null
+    ends_ok: torch.Tensor
+    gold: tuple[int, int] | None  # (start, end) in the question's positions; None: the answer is null
 
 
-def _row(prefix: list[int], passage, window: tuple[int, int]) -> ReaderRow:
-    ids, offsets, starts, ends = passage
-    a, b = window
-    return ReaderRow(ids=prefix + ids[a:b], first=len(prefix), passage=0, offsets=offsets[a:b],
-                     starts_ok=starts[a:b], ends_ok=ends[a:b])
-
-
-def question_rows(tokenizer, data: ReaderData, example: ReaderExample, distractors: int, row_tokens: int,
-                  rng: random.Random) -> tuple[list[ReaderRow], tuple[int, int]]:
-    """The gold row first, then the distractor rows, and the answer's (start, end) row positions."""
-    prefix = question_prefix(tokenizer, example.question)
-    room = max(row_tokens - len(prefix), 16)
-    gold = data.tokens[example.passage_id]
-    first, last = example.span
-    length = len(gold[0])
-    lo, hi = max(0, last + 1 - room), min(first, max(length - room, 0))
-    begin = rng.randint(lo, hi) if length > room and hi >= lo else 0
-    window = (begin, min(begin + room, length))
-    rows = [_row(prefix, gold, window)]
-    others = [p for p in data.by_article[article_of(example.passage_id)] if p != example.passage_id]
-    for pid in rng.sample(others, min(distractors, len(others))):
-        rows.append(_row(prefix, data.tokens[pid], windows(len(data.tokens[pid][0]), room)[0]))
-    while len(rows) < 1 + distractors:  # an article of one passage: the gold row again keeps the shapes equal
-        rows.append(rows[0])
-    return rows, (len(prefix) + first - begin, len(prefix) + last - begin)
+def _question_rows(data: ReaderData, question: TrainQuestion, negative: bool, distractors: int,
+                   rng: random.Random, pairs: list) -> _Asked:
+    asked = data.prompt(question)
+    room = max(ROW_TOKENS - len(asked) - 1, 16)
+    article = question.passage_id.rsplit("#", 1)[0]
+    others = [p for p in data.by_article.get(article, []) if p != question.passage_id]
+    if not others:  # an article of one passage: distractors from another article
+        pool = sorted(data.by_article)
+        others = [p for a in rng.sample(pool, min(3, len(pool))) for p in data.by_article[a]
+                  if p != question.passage_id]
+    chosen = rng.sample(others, min(distractors + int(negative), len(others)))
+    rows: list[tuple[str, tuple[int, int]]] = []
+    gold = None
+    if not negative:
+        length = len(data.offsets[question.passage_id])
+        first, last = question.span
+        lo, hi = max(0, last + 1 - room), min(first, max(length - room, 0))
+        begin = rng.randint(lo, hi) if length > room and hi >= lo else 0
+        rows.append((question.passage_id, (begin, min(begin + room, length))))
+        gold = (first - begin, last - begin)
+    rows += [(pid, windows(len(data.offsets[pid]), room)[0]) for pid in chosen]
+    sequences, starts, ends = [], [], []
+    for pid, (a, b) in rows:
+        sequences.append(len(pairs))
+        pairs.append((asked, data.passage(pid)[a:b]))
+        s, e = data.bounds(pid)
+        starts += s[a:b]
+        ends += e[a:b]
+    if gold is not None:  # an answer that starts or ends inside a word is still its gold span
+        starts[gold[0]] = ends[gold[1]] = True
+    return _Asked(sequences, torch.tensor([*starts, True]), torch.tensor([*ends, True]), gold)
 
 
 def _schedule(step: int, config: ReaderTrainConfig) -> float:
@@ -132,7 +153,7 @@ def _schedule(step: int, config: ReaderTrainConfig) -> float:
 def _optimizer(reader: SpanReader, config: ReaderTrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW([
         {"params": list(reader.adapters.parameters()), "lr": config.lr},
-        {"params": list(reader.span_head.parameters()), "lr": config.head_lr},
+        {"params": [*reader.span_head.parameters(), reader.null], "lr": config.head_lr},
     ], weight_decay=config.weight_decay)
 
 
@@ -142,7 +163,24 @@ def _save_state(run: Path, reader: SpanReader, optimizer, step: int) -> None:
     os.replace(staging, run / STATE)
 
 
-def train_reader(reader: SpanReader, tokenizer, data: ReaderData, config: ReaderTrainConfig, run: str | Path,
+def reader_step_loss(reader: SpanReader, data: ReaderData, chosen: list[TrainQuestion], negatives: list[bool],
+                     config: ReaderTrainConfig, rng: random.Random) -> tuple[torch.Tensor, int]:
+    """The mean span loss of one step's questions, and the joined tokens it read."""
+    pairs: list = []
+    asked = [_question_rows(data, q, neg, config.distractors, rng, pairs) for q, neg in zip(chosen, negatives,
+                                                                                           strict=True)]
+    joined = pack_joined(pairs, reader.null, reader.config.lookahead, ROW_TOKENS)
+    cast = getattr(torch, config.dtype)
+    with torch.autocast("cpu", dtype=cast, enabled=cast != torch.float32):
+        start, end = reader.top(joined)
+    losses = []
+    for a in asked:
+        s, e = question_scores(start, end, joined, a.sequences)
+        losses.append(span_loss(s, e, a.starts_ok, a.ends_ok, *(a.gold if a.gold else (None, None))))
+    return torch.stack(losses).mean(), sum(len(q) + len(p) + 1 for q, p in pairs)
+
+
+def train_reader(reader: SpanReader, data: ReaderData, config: ReaderTrainConfig, run: str | Path,
                  on_step: Callable[[dict], None] | None = None) -> dict:
     """Train (or resume) in `run`; the finished reader is saved to `run`/reader. Returns the run's figures."""
     run = Path(run)
@@ -155,48 +193,33 @@ def train_reader(reader: SpanReader, tokenizer, data: ReaderData, config: Reader
         reader.load_state_dict(state["trained"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-    order = list(range(len(data.examples)))
+    order = list(range(len(data.questions)))
     random.Random(config.seed).shuffle(order)
-    if config.max_questions:
-        order = order[: config.max_questions]
-    device = next(reader.span_head.parameters()).device
-    cast = getattr(torch, config.dtype)
     reader.train()
-    started, tokens, losses = time.perf_counter(), 0, []
-    first_step = step
+    started, tokens, losses, first_step = time.perf_counter(), 0, [], step
+    per_step = config.questions_per_step
     while step < config.max_steps:
         rng = random.Random(f"{config.seed}:{step}")  # a resumed step draws exactly what it would have
-        begin = (step * config.questions_per_step) % len(order)
-        chosen = [data.examples[order[(begin + i) % len(order)]] for i in range(config.questions_per_step)]
-        rows, golds = [], []
-        for example in chosen:
-            found, gold = question_rows(tokenizer, data, example, config.distractors, config.row_tokens, rng)
-            rows += found
-            golds.append(gold)
-        batch = pad_rows(rows, tokenizer.pad_token_id or 0)
-        candidates = torch.zeros_like(batch["starts_ok"])
-        for i, row in enumerate(rows):
-            candidates[i, row.first: len(row.ids)] = True
+        begin = (step * per_step) % len(order)
+        chosen = [data.questions[order[(begin + i) % len(order)]] for i in range(per_step)]
+        negatives = [rng.random() < config.no_answer_fraction for _ in chosen]
         for group in optimizer.param_groups:
             group.setdefault("base_lr", group["lr"])
             group["lr"] = group["base_lr"] * _schedule(step, config)
-        with torch.autocast(device.type, dtype=cast, enabled=cast != torch.float32):
-            start, end = reader(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        loss = shared_span_loss(start, end, candidates.to(device), torch.zeros(len(chosen), dtype=torch.long,
-                                device=device), torch.tensor([g[0] for g in golds], device=device),
-                                torch.tensor([g[1] for g in golds], device=device), 1 + config.distractors)
+        loss, read = reader_step_loss(reader, data, chosen, negatives, config, rng)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
         optimizer.step()
         step += 1
-        tokens += int(batch["attention_mask"].sum())
+        tokens += read
         losses.append(float(loss.detach()))
         if step % config.log_every == 0 or step == config.max_steps:
             elapsed = time.perf_counter() - started
-            line = {"step": step, "loss": round(sum(losses) / len(losses), 4), "tokens_per_second":
-                    round(tokens / elapsed, 1), "elapsed_s": round(elapsed, 1), "eta_s":
-                    round(elapsed / (step - first_step) * (config.max_steps - step), 1)}
+            line = {"step": step, "questions": step * per_step, "loss": round(sum(losses) / len(losses), 4),
+                    "seconds_per_step": round(elapsed / (step - first_step), 2),
+                    "tokens_per_second": round(tokens / elapsed, 1), "elapsed_s": round(elapsed, 1),
+                    "eta_s": round(elapsed / (step - first_step) * (config.max_steps - step), 1)}
             losses = []
             with open(run / PROGRESS, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
@@ -204,8 +227,13 @@ def train_reader(reader: SpanReader, tokenizer, data: ReaderData, config: Reader
                 on_step(line)
         if step % config.save_every == 0 or step == config.max_steps:
             _save_state(run, reader, optimizer, step)
+        seen = step * per_step
+        for mark in config.snapshot_questions:
+            if seen - per_step < mark <= seen:
+                save_reader(reader, run / f"reader-q{mark}", extra={"training": asdict(config) | {
+                    "steps": step, "questions_seen": seen}})
     reader.eval()
-    figures = {"steps": step, "questions_seen": step * config.questions_per_step,
+    figures = {"steps": step, "questions_seen": step * per_step, "questions_available": len(data.questions),
                "train_seconds_this_run": round(time.perf_counter() - started, 1)}
     save_reader(reader, run / "reader", extra={"training": asdict(config) | figures})
     return figures

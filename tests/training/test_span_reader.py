@@ -1,22 +1,26 @@
-"""The visible span reader: its span rules, its loss, training that learns and resumes, and saved readers."""
+"""The split span reader: its span rules, packing, its loss with the null entry, training on the activation cache
+that learns and resumes, and saved readers that read, refuse another base, and score beside hidden mode."""
 
 import json
 
 import pytest
 import torch
 
-from cprag.decoding.span_read import question_prefix, read_passages, windows, word_bounds
+from cprag.decoding.span_read import read_passages, windows, word_bounds
+from cprag.errors import CheckpointError
 from cprag.evaluation.oracle_qa import evaluate_oracle
 from cprag.evaluation.squad import read_squad
 from cprag.index.encode import tokenize_passage
 from cprag.model.backbone import gguf_reference
-from cprag.model.reader_checkpoint import load_reader, new_reader
-from cprag.model.span_reader import best_spans, shared_span_loss
-from cprag.training.reader_train import ReaderTrainConfig, prepare_reader_data, train_reader
+from cprag.model.checkpoint import new_cplm
+from cprag.model.reader_checkpoint import check_reader_base, load_reader, new_reader, save_reader
+from cprag.model.span_reader import best_spans, pack_joined, question_scores, span_loss
+from cprag.training.examples import activation_cache, prepare_examples
+from cprag.training.reader_train import ReaderData, ReaderTrainConfig, train_reader
 from tests.tiny_models import write_tiny_gguf
 from tests.tiny_squad import tiny_squad
 
-TINY_READER = {"adapter_layers": [1], "adapter_rank": 4, "lookahead": 1}
+TINY_READER = {"adapter_rank": 4, "lookahead": 1}
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +28,13 @@ def tiny_base(tmp_path_factory):
     path = tmp_path_factory.mktemp("reader-base") / "tiny.gguf"
     write_tiny_gguf(path)
     return gguf_reference(path)
+
+
+def test_the_split_defaults_to_a_fraction_of_the_depth(tiny_base):
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    assert reader.config.num_layers == 2 and reader.config.split_layer == 1  # round(0.6 * 2)
+    assert reader.config.adapter_layers == [1]
+    assert sorted({name.split("_")[0] for name in reader.adapters}) == ["layer1"]
 
 
 def test_word_bounds_allow_whole_words_only(tiny_base):
@@ -58,39 +69,77 @@ def test_best_spans_respects_order_length_and_masks():
     assert int(last) != 2
 
 
-def test_shared_loss_normalises_over_a_questions_rows():
+def test_packed_sequences_score_as_they_do_alone(tiny_base):
+    """Packing joined rows together (and the lookahead at a row's end) must not change any sequence's scores."""
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    torch.manual_seed(1)
+    for delta in reader.adapters.values():
+        delta.lora_B.data.normal_(std=0.1)
+    hidden = reader.config.hidden_size
+    pairs = [(torch.randn(5, hidden), torch.randn(n, hidden)) for n in (9, 4, 7)]
+    with torch.no_grad():
+        packed = pack_joined(pairs, reader.null, reader.config.lookahead, row_tokens=64)
+        assert packed.hidden.shape[0] == 1  # all three share one row
+        start, end = reader.top(packed)
+        for s, pair in enumerate(pairs):
+            alone = pack_joined([pair], reader.null, reader.config.lookahead, row_tokens=64)
+            start_alone, end_alone = reader.top(alone)
+            row, first, m, n = packed.places[s]
+            assert torch.allclose(start[row, first: first + m + n + 1], start_alone[0, : m + n + 1], atol=1e-4)
+            assert torch.allclose(end[row, first: first + m + n + 1], end_alone[0, : m + n + 1], atol=1e-4)
+
+
+def test_the_loss_normalises_over_a_questions_rows_and_its_null_entry():
     torch.manual_seed(0)
-    start, end = torch.randn(4, 6), torch.randn(4, 6)
-    candidates = torch.ones(4, 6, dtype=torch.bool)
-    candidates[:, :2] = False
-    gold_row, gold_start, gold_end = torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 5])
-    loss = shared_span_loss(start, end, candidates, gold_row, gold_start, gold_end, rows_per_question=2)
-    expected = []
-    for q in range(2):
-        rows = slice(2 * q, 2 * q + 2)
-        for scores, gold in ((start, gold_start), (end, gold_end)):
-            flat = scores[rows][:, 2:].reshape(-1)
-            target = scores[2 * q + int(gold_row[q]), int(gold[q])]
-            expected.append(torch.logsumexp(flat, 0) - target)
-    assert torch.isclose(loss, torch.stack(expected).mean(), atol=1e-5)
+    hidden = 4
+    pairs = [(torch.zeros(2, hidden), torch.zeros(3, hidden)), (torch.zeros(2, hidden), torch.zeros(4, hidden))]
+    joined = pack_joined(pairs, torch.zeros(hidden), 1, row_tokens=64)
+    start, end = torch.randn(1, 13), torch.randn(1, 13)
+    s, e = question_scores(start, end, joined, [0, 1])
+    assert s.shape == (3 + 4 + 1,)
+    assert [p[1] for p in joined.places] == [7, 0]  # longest first: the second sequence opens the row
+    nulls = torch.stack([start[0, 12], start[0, 6]])  # each sequence's last position
+    assert torch.isclose(s[-1], torch.logsumexp(nulls, 0) - torch.log(torch.tensor(2.0)))  # log-mean-exp
+    assert torch.equal(s[:3], start[0, 9:12]) and torch.equal(s[3:7], start[0, 2:6])
+    ok = torch.ones(8, dtype=torch.bool)
+    answered = span_loss(s, e, ok, ok, 1, 2)
+    expected = ((torch.logsumexp(s, 0) - s[1]) + (torch.logsumexp(e, 0) - e[2])) / 2
+    assert torch.isclose(answered, expected)
+    unanswerable = span_loss(s, e, ok, ok, None, None)
+    assert torch.isclose(unanswerable, ((torch.logsumexp(s, 0) - s[-1]) + (torch.logsumexp(e, 0) - e[-1])) / 2)
+    barred = ok.clone()
+    barred[1] = False  # a position that cannot start a span takes no probability
+    assert span_loss(s, e, barred, ok, 2, 2) < span_loss(s, e, ok, ok, 2, 2)
 
 
-def test_training_learns_resumes_and_the_saved_reader_reads(tiny_base, tmp_path):
+def _reader_data(tiny_base, tmp_path, reader):
     squad = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
-    reader, tokenizer = new_reader(tiny_base, **TINY_READER)
-    data = prepare_reader_data(tokenizer, read_squad(squad))
-    assert len(data.examples) == 8 and data.skipped == 0
-    config = ReaderTrainConfig(max_steps=30, questions_per_step=4, distractors=1, lr=3e-2, head_lr=3e-2,
-                               warmup_steps=1, save_every=15, log_every=5, dtype="float32")
-    train_reader(reader, tokenizer, data, config, tmp_path / "run")
+    data = read_squad(squad)
+    model, tokenizer = new_cplm(tiny_base, cp_layers=[1], adapter_layers=[1], adapter_rank=4, key_dim=8)
+    examples = prepare_examples(tokenizer, data)
+    cache, _ = activation_cache(model, tokenizer, examples, squad, reader.config.split_layer, "float32",
+                                directory=tmp_path / "cache")
+    texts = {pid: text for pid, (_, text) in data.passages.items()}
+    return ReaderData.build(examples, cache, reader.config.split_layer, texts), tokenizer, squad
+
+
+def test_training_on_the_cache_learns_resumes_and_the_saved_reader_reads(tiny_base, tmp_path):
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    data, tokenizer, squad = _reader_data(tiny_base, tmp_path, reader)
+    assert len(data.questions) == 8
+    config = ReaderTrainConfig(max_steps=30, questions_per_step=4, distractors=1, no_answer_fraction=0.0,
+                               lr=3e-2, head_lr=3e-2, warmup_steps=1, save_every=15, log_every=5,
+                               snapshot_questions=[40], dtype="float32")
+    train_reader(reader, data, config, tmp_path / "run")
     lines = [json.loads(line) for line in (tmp_path / "run" / "progress.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [5, 10, 15, 20, 25, 30]
     assert lines[-1]["loss"] < lines[0]["loss"]  # it learns the eight facts
+    assert (tmp_path / "run" / "reader-q40" / "reader.safetensors").is_file()  # the learning-curve snapshot
 
     # a longer rerun resumes at step 30 from state.pt, not from scratch
     more = ReaderTrainConfig(**{**config.__dict__, "max_steps": 35})
     again, _ = new_reader(tiny_base, **TINY_READER)
-    train_reader(again, tokenizer, data, more, tmp_path / "run")
+    train_reader(again, data, more, tmp_path / "run")
     lines = [json.loads(line) for line in (tmp_path / "run" / "progress.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 35 and len(lines) == 7
 
@@ -100,28 +149,90 @@ def test_training_learns_resumes_and_the_saved_reader_reads(tiny_base, tmp_path)
     answer = answers[0]
     assert answer is not None and answer.text in contexts[answer.passage]
     assert contexts[answer.passage][answer.char_start:answer.char_end] == answer.text
-    assert 0.0 < answer.probability <= 1.0
-    # the merged reader scores as the trained one did before saving
-    row = question_prefix(tokenizer, "Who was the keeper?")
-    ids = torch.tensor([row])
+    assert 0.0 < answer.probability <= 1.0 and 0.0 < answer.null_probability <= 1.0
+    assert answer.no_answer == (answer.null_score > answer.score)
+    # questions read together answer as they do one at a time
+    together = read_passages(loaded, tokenizer, ["Who was the keeper?", "When was the lighthouse built?"],
+                             [contexts[:2], contexts[:3]])
+    assert together[1].text == answer.text and abs(together[1].score - answer.score) < 1e-3
+    # the merged reader reads as the trained one did before saving
+    again.eval()
     with torch.no_grad():
-        assert torch.allclose(again.eval()(ids, torch.ones_like(ids))[0], loaded(ids, torch.ones_like(ids))[0],
-                              atol=1e-4)
+        before = read_passages(again, tokenizer, ["When was the lighthouse built?"], [contexts[:3]])[0]
+    assert before.text == answer.text and abs(before.score - answer.score) < 1e-3
 
     data_all = read_squad(squad)
     results = evaluate_oracle(None, tokenizer, data_all.examples, data_all.passages, ["reader"], distractors=2,
                               reader=loaded)
     assert len(results) == 8 and {r.mode for r in results} == {"reader"}
-    assert all(r.prediction in data_all.passages[r.passages[0]][1] or any(
-        r.prediction in data_all.passages[p][1] for p in r.passages) for r in results)
+    for r in results:
+        given = r.withheld_answer if r.no_answer else r.prediction
+        assert any(given in data_all.passages[p][1] for p in r.passages)
+        assert r.no_answer == (r.prediction == "")
     assert sum(r.f1 for r in results) / len(results) > 25  # trained on these very facts
+
+
+def test_questions_asked_without_their_passage_teach_the_null_entry(tiny_base, tmp_path):
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    data, tokenizer, squad = _reader_data(tiny_base, tmp_path, reader)
+    contexts = [c for _, c in read_squad(squad).passages.values()]
+    questions = ["When was the lighthouse built?", "Who built the clock?"]
+    with torch.no_grad():
+        before = read_passages(reader.eval(), tokenizer, questions, [contexts[2:5], contexts[4:7]])
+    config = ReaderTrainConfig(max_steps=20, questions_per_step=4, no_answer_fraction=1.0, lr=3e-2, head_lr=3e-2,
+                               warmup_steps=1, save_every=100, dtype="float32")
+    train_reader(reader, data, config, tmp_path / "run")
+    with torch.no_grad():
+        after = read_passages(reader.eval(), tokenizer, questions, [contexts[2:5], contexts[4:7]])
+    assert all(a.no_answer for a in after)
+    assert all(a.null_probability > 5 * b.null_probability for a, b in zip(after, before, strict=True))
+
+
+def test_a_gold_span_inside_a_word_is_never_masked(tiny_base, tmp_path):
+    import random
+    from dataclasses import replace
+
+    from cprag.training.reader_train import _question_rows
+
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    data, _, _ = _reader_data(tiny_base, tmp_path, reader)
+    question = next(q for q in data.questions if q.span[1] > q.span[0])
+    inside = replace(question, span=(question.span[0] + 1, question.span[1]))  # from its answer's 2nd character
+    asked = _question_rows(data, inside, False, 1, random.Random(0), [])
+    assert asked.gold == inside.span and bool(asked.starts_ok[asked.gold[0]])
+    whole = _question_rows(data, question, False, 1, random.Random(0), [])
+    assert not bool(whole.starts_ok[whole.gold[0] + 1])  # elsewhere a word's inside stays barred
+
+
+def test_a_cache_without_the_split_or_too_few_questions_is_refused(tiny_base, tmp_path):
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    data, tokenizer, squad = _reader_data(tiny_base, tmp_path, reader)
+    texts = data.texts
+    examples = prepare_examples(tokenizer, read_squad(squad))
+    with pytest.raises(ValueError, match="not the reader's split"):
+        ReaderData.build(examples, data.cache, 0, texts)
+    with pytest.raises(ValueError, match="build more"):
+        ReaderData.build(examples, data.cache, 1, texts, max_questions=99)
+
+
+def test_a_reader_on_another_base_is_refused_in_one_line(tiny_base, tmp_path):
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    save_reader(reader, tmp_path / "reader")
+    check_reader_base(tmp_path / "reader", {"sha256": tiny_base.sha256})  # the same base: fine
+    with pytest.raises(CheckpointError, match="trained on base") as refused:
+        check_reader_base(tmp_path / "reader", {"sha256": "0" * 64})
+    assert "\n" not in str(refused.value)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "reader_config.json").write_text(json.dumps({"kind": "span-reader"}))
+    (tmp_path / "old" / "reader.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="not a split span reader"):
+        load_reader(tmp_path / "old")
 
 
 def test_eval_squad_scores_a_saved_reader_beside_hidden_mode(tiny_base, tmp_path):
     from typer.testing import CliRunner
 
     from cprag.cli import app
-    from cprag.model.reader_checkpoint import save_reader
     from tests.tiny_models import tiny_checkpoint
 
     squad = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
