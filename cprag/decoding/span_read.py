@@ -37,7 +37,7 @@ class BottomCache:
         return self.states.get(text)
 
     def put(self, text: str, states: torch.Tensor) -> None:
-        size = states.numel() * states.element_size()
+        size = _nbytes(states)
         if size > self.max_bytes:
             return
         while self.used + size > self.max_bytes:

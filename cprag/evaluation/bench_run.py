@@ -101,7 +101,7 @@ def measure_figures(opened, model, tokenizer, chosen: list, settings: BenchSetti
         verify_latency,
         warm_vs_cold,
     )
-    from cprag.model.reader_checkpoint import reader_base, reader_exists
+    from cprag.model.reader_checkpoint import reader_exists, reader_fits
 
     asked = [f"What is said about {d.title or d.id}?" for d in chosen][:settings.questions]
     figures = {}
@@ -115,8 +115,7 @@ def measure_figures(opened, model, tokenizer, chosen: list, settings: BenchSetti
     if opened.verifier is not None:
         on_stage("the verifier's cost beside a hidden ask")
         figures.update(verify_latency(opened, asked))
-    base = (model.config.base_model or {}).get("sha256")
-    if reader_exists(opened.reader_path) and reader_base(opened.reader_path).get("sha256") == base:
+    if reader_exists(opened.reader_path) and reader_fits(opened.reader_path, model.config.base_model):
         on_stage("a reader ask beside a hidden one")
         figures.update(reader_latency(opened, asked))
     on_stage("warm vs cold key-shard cache")

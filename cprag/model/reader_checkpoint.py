@@ -82,15 +82,19 @@ def reader_base(path: str | Path | None = None) -> dict:
     return json.loads((path / READER_CONFIG).read_text())["base_model"]
 
 
+def reader_fits(path: str | Path | None, model_base: dict | None) -> bool:
+    """Whether the reader at `path` (a folder with one) was trained on the base `model_base` names (same sha256)."""
+    return reader_base(path).get("sha256") == (model_base or {}).get("sha256")
+
+
 def check_reader_base(path: str | Path | None, model_base: dict | None) -> None:
     """Refuse a reader trained on another base than the CPLM beside it (their sha256 differ). A folder with no
     reader is left to `load_reader`, which says so."""
-    if not model_base or not reader_exists(path):
+    if not model_base or not reader_exists(path) or reader_fits(path, model_base):
         return
     found = reader_base(path).get("sha256")
-    if found != model_base.get("sha256"):
-        raise CheckpointError(str(path or DEFAULT_READER), f"this reader was trained on base {str(found)[:12]}, not "
-                              f"on this checkpoint's base {str(model_base.get('sha256'))[:12]}")
+    raise CheckpointError(str(path or DEFAULT_READER), f"this reader was trained on base {str(found)[:12]}, not on "
+                          f"this checkpoint's base {str(model_base.get('sha256'))[:12]}")
 
 
 def load_reader(path: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
