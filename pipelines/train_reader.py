@@ -4,11 +4,16 @@
         --max-questions 32000 --max-steps 2000 --snapshot-questions 8000,16000 \
         --validation ../shared/data/squad-v1.1-dev-public.json --validation-questions 1000
 
-The lower blocks' states come from the CPLM training's activation cache of the same file (the same folder
-`cprag train` builds and reuses; `--no-build` trains on the chunks already there). Resumes from `OUT/state.pt`
-when rerun with the same arguments; progress goes to `OUT/progress.jsonl` (one JSON line per logged step, with
-seconds per step and the ETA) and to stderr. The adapters start from the CPLM checkpoint's on the same blocks
-(`--no-warm`: fresh). The reader lands in `OUT/reader`; copy it to `cprag/checkpoints/default/reader` to ship it.
+    python pipelines/train_reader.py ../shared/data/squad-v1.1-train.json ../shared/data/nq-qed-train.json \
+        ../shared/data/subjqa-train.json --from-reader cprag/checkpoints/default/reader --out runs/reader-mix
+
+The lower blocks' states come from the CPLM training's activation cache of each file (the same folder `cprag
+train` builds and reuses; `--no-build` trains on the chunks already there). Several files train together, each
+capped at `--max-questions`; their unanswerable questions are read with their own passage and trained to answer
+null. The adapters start from the CPLM checkpoint's on the same blocks (`--no-warm`: fresh); `--from-reader DIR`
+goes on from a saved reader (the shipped one, say) instead. Resumes from `OUT/state.pt` when rerun with the same
+arguments; progress goes to `OUT/progress.jsonl` (one JSON line per logged step, with seconds per step and the
+ETA) and to stderr. The reader lands in `OUT/reader`; copy it to `cprag/checkpoints/default/reader` to ship it.
 `--cost-steps 20` runs 20 steps in a scratch folder and prints the measured cost of the whole run instead.
 On a GPU the same command runs there (`--device cuda`).
 """
@@ -29,11 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     from cprag.training.reader_train import ReaderTrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("train", help="SQuAD-format training file")
+    parser.add_argument("train", nargs="+", help="SQuAD-format training files (SQuAD 2.0's unanswerable questions "
+                        "included: they are read with their own passage and trained to answer null)")
     parser.add_argument("--out", required=True, help="run folder (state, progress, the reader)")
     parser.add_argument("--checkpoint", default=None, help="CPLM checkpoint: the cache's model and the warm start "
                         "(default: the shipped one)")
     parser.add_argument("--no-warm", action="store_true", help="fresh adapters instead of the checkpoint's")
+    parser.add_argument("--from-reader", default=None, help="go on from a saved reader's adapters, null and head "
+                        "(e.g. cprag/checkpoints/default/reader) instead of the CPLM's adapters")
     parser.add_argument("--no-build", action="store_true", help="train on the cache chunks already on disk")
     parser.add_argument("--snapshot-questions", default="", help="comma-separated question counts to snapshot at")
     parser.add_argument("--cost-steps", type=int, default=0, help="measure this many steps, print the run's cost")
@@ -85,33 +93,44 @@ def prepare(args, values: dict, device: str):
     from cprag.evaluation.squad import read_squad
     from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
     from cprag.model.cpu_features import fastest_cpu_dtype
-    from cprag.model.reader_checkpoint import new_reader, warm_start
-    from cprag.training.examples import activation_cache, prepare_examples
+    from cprag.model.reader_checkpoint import continue_from, new_reader, warm_start
+    from cprag.training.examples import Examples, activation_cache, prepare_examples, prepare_negatives
     from cprag.training.reader_train import ReaderData, ReaderTrainConfig
 
     config = ReaderTrainConfig(**values)
     started = time.perf_counter()
     model, tokenizer = load_model(args.checkpoint)
-    data = read_squad(args.train)
-    examples = prepare_examples(tokenizer, data)
     reader, _ = new_reader(seed=config.seed)
     split = reader.config.split_layer
+    dtype = fastest_cpu_dtype() if device == "cpu" else "bfloat16"
 
     def progress(done: int, total: int, tokens: int) -> None:
         print(json.dumps({"cache": f"{done}/{total}", "tokens": tokens}), file=sys.stderr, flush=True)
 
-    cache, figures = activation_cache(model, tokenizer, examples, Path(args.train), split,
-                                      fastest_cpu_dtype() if device == "cpu" else "bfloat16", config.seed,
-                                      build=not args.no_build, on_progress=progress)
-    print(json.dumps({"cache": str(cache.directory), **figures}), file=sys.stderr, flush=True)
+    sources, texts = [], {}
+    for train in args.train:
+        data = read_squad(train)
+        examples = prepare_examples(tokenizer, data)
+        unanswerable = prepare_negatives(tokenizer, read_squad(train, unanswerable=True), data)
+        examples = Examples(examples.passages, examples.questions + unanswerable.questions, examples.skipped)
+        cache, figures = activation_cache(model, tokenizer, examples, Path(train), split, dtype, config.seed,
+                                          build=not args.no_build, on_progress=progress)
+        print(json.dumps({"train": train, "questions": len(examples.questions), "unanswerable":
+                          len(unanswerable.questions), "cache": str(cache.directory), **figures}), file=sys.stderr,
+              flush=True)
+        sources.append((examples, cache))
+        texts |= {pid: text for pid, (_, text) in data.passages.items()}
     del model
-    if not args.no_warm:
+    if args.from_reader:
+        continue_from(reader, args.from_reader)
+        config.warm_from = f"the reader at {args.from_reader}"
+        print(f"going on from {config.warm_from}", file=sys.stderr)
+    elif not args.no_warm:
         config.warm_from = str(args.checkpoint) if args.checkpoint else "the shipped CPLM checkpoint"
         taken = warm_start(reader, args.checkpoint or DEFAULT_CHECKPOINT)
         print(f"warm start: {taken} adapters from {config.warm_from}", file=sys.stderr)
     reader.to(device)
-    texts = {pid: text for pid, (_, text) in data.passages.items()}
-    prepared = ReaderData.build(examples, cache, split, texts, config.max_questions)
+    prepared = ReaderData.build_many(sources, split, texts, config.max_questions)
     print(f"{len(prepared.questions)} training questions in the cache, prepared in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     return reader, prepared, config

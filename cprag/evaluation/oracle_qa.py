@@ -233,4 +233,10 @@ def summarize(results: list[QAResult]) -> dict[str, float]:
         summary[f"qa/{mode}/f1"] = round(float(np.mean([r.f1 for r in chosen])), 2)
         summary[f"qa/{mode}/copy_rate"] = round(float(np.mean([r.copy_rate for r in chosen])), 3)
         summary[f"qa/{mode}/n"] = len(chosen)
+        if any(r.withheld_answer is not None for r in chosen):  # a reader's "no answer": what answering always
+            scores = [(r.em, r.f1) if r.withheld_answer is None else  # would have scored, and how often it abstained
+                      tuple(100 * x for x in squad2_question_scores(r.withheld_answer, r.references)) for r in chosen]
+            summary[f"qa/{mode}/em_answering_always"] = round(float(np.mean([em for em, _ in scores])), 2)
+            summary[f"qa/{mode}/f1_answering_always"] = round(float(np.mean([f1 for _, f1 in scores])), 2)
+            summary[f"qa/{mode}/no_answer"] = sum(r.no_answer for r in chosen)
     return summary

@@ -56,6 +56,19 @@ def warm_start(reader: SpanReader, checkpoint: str | Path) -> int:
     return taken
 
 
+def continue_from(reader: SpanReader, path: str | Path) -> None:
+    """Load a saved reader's adapters, null state and head into `reader`, so training goes on from them. The saved
+    reader must be on the same base, with the same shapes."""
+    check_reader_base(path, reader.config.base_model)
+    if not reader_exists(path):
+        raise CheckpointError(str(path), f"no span reader here ({READER_CONFIG} and {READER_WEIGHTS})")
+    stored = load_file(Path(path) / READER_WEIGHTS)
+    expected = reader.trained_state()
+    if set(stored) != set(expected) or any(stored[k].shape != expected[k].shape for k in stored):
+        raise CheckpointError(str(path), "its tensors do not match this reader's config")
+    reader.load_state_dict(stored, strict=False)
+
+
 def save_reader(reader: SpanReader, path: str | Path, extra: dict | None = None) -> Path:
     """Write the reader's config and trained tensors into `path` (each file atomically)."""
     path = Path(path)

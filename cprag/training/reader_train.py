@@ -9,7 +9,8 @@ Each step reads `questions_per_step` questions. An answerable question's rows ar
 holding the answer, when the passage is longer than a row) and `distractors` other passages of the same article;
 its start and end are trained by cross-entropy normalised over all of those rows and the null entry. A share
 `no_answer_fraction` of the questions is asked with distractors alone (1 + `distractors` of them) and trained to
-answer null.
+answer null. An unanswerable question (SubjQA's, say) is asked with its own passage and `distractors` others, and
+trained to answer null. Several training files train together (`ReaderData.build_many`), each from its own cache.
 
 The run folder holds `state.pt` (weights, optimiser, step: written atomically every `save_every` steps, and the
 run resumes from it), `progress.jsonl` (one line per logged step), `reader-q<N>/` snapshots after N questions
@@ -72,23 +73,42 @@ class ReaderData:
     @classmethod
     def build(cls, examples: Examples, cache: ActivationCache, split: int, texts: dict[str, str],
               max_questions: int | None = None) -> ReaderData:
-        if split not in cache.layers:
-            raise ValueError(f"the activation cache holds layers {cache.layers}, not the reader's split {split}")
+        return cls.build_many([(examples, cache)], split, texts, max_questions)
+
+    @classmethod
+    def build_many(cls, sources: list[tuple[Examples, ActivationCache]], split: int, texts: dict[str, str],
+                   max_questions: int | None = None) -> ReaderData:
+        """The questions of several training files, each with its own cache: the first `max_questions` of each
+        file's cache plan (None: every cached one), unanswerable ones included (read with their own passage)."""
+        cache, questions, by_article, offsets = sources[0][1], [], {}, {}
+        for examples, source_cache in sources:
+            if split not in source_cache.layers:
+                raise ValueError(f"the activation cache holds layers {source_cache.layers}, not the reader's split "
+                                 f"{split}")
+            shared = sorted(set(offsets) & set(examples.passages))
+            if shared:
+                raise ValueError(f"passage {shared[0]!r} is in two training files: give each file its own titles")
+            if source_cache is not cache:
+                cache.include(source_cache)
+            questions += cls._cached_questions(examples, source_cache, max_questions)
+            for pid in examples.passages:
+                if f"p/{pid}" in source_cache:
+                    by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
+            offsets |= {pid: p.offsets for pid, p in examples.passages.items()}
+        return cls(cache, cache.layers.index(split), questions, by_article, texts, offsets)
+
+    @staticmethod
+    def _cached_questions(examples: Examples, cache: ActivationCache, max_questions: int | None
+                          ) -> list[TrainQuestion]:
         order = {key: i for i, key in enumerate(k for chunk in cache.plan["chunks"] for k in chunk)}
-        questions = sorted((q for q in examples.questions if not q.impossible), key=lambda q: order.get(
-            f"q/{q.qid}", len(order)))
+        questions = sorted(examples.questions, key=lambda q: order.get(f"q/{q.qid}", len(order)))
         if max_questions is not None:
             questions = questions[:max_questions]
         questions = [q for q in questions if f"q/{q.qid}" in cache and f"p/{q.passage_id}" in cache]
-        if max_questions is not None and len(questions) < max_questions:
+        if max_questions is not None and len(questions) < min(max_questions, len(examples.questions)):
             raise ValueError(f"the cache holds {len(questions)} of the first {max_questions} questions: build more "
                              "of it first")
-        by_article: dict[str, list[str]] = {}
-        for pid in examples.passages:
-            if f"p/{pid}" in cache:
-                by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
-        offsets = {pid: p.offsets for pid, p in examples.passages.items()}
-        return cls(cache, cache.layers.index(split), questions, by_article, texts, offsets)
+        return questions
 
     def passage(self, pid: str) -> torch.Tensor:
         """(n, H) float32 states of the passage's own tokens entering the split (its BOS dropped)."""
@@ -123,7 +143,9 @@ def _question_rows(data: ReaderData, question: TrainQuestion, negative: bool, di
     chosen = rng.sample(others, min(distractors + int(negative), len(others)))
     rows: list[tuple[str, tuple[int, int]]] = []
     gold = None
-    if not negative:
+    if question.impossible and not negative:  # its own passage, which does not answer it: the hardest negative
+        rows.append((question.passage_id, windows(len(data.offsets[question.passage_id]), room)[0]))
+    elif not negative:
         length = len(data.offsets[question.passage_id])
         first, last = question.span
         lo, hi = max(0, last + 1 - room), min(first, max(length - room, 0))

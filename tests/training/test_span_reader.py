@@ -13,7 +13,7 @@ from cprag.evaluation.squad import read_squad
 from cprag.index.encode import tokenize_passage
 from cprag.model.backbone import gguf_reference
 from cprag.model.checkpoint import new_cplm
-from cprag.model.reader_checkpoint import check_reader_base, load_reader, new_reader, save_reader
+from cprag.model.reader_checkpoint import check_reader_base, continue_from, load_reader, new_reader, save_reader
 from cprag.model.span_reader import best_spans, pack_joined, question_scores, span_loss
 from cprag.training.examples import activation_cache, prepare_examples
 from cprag.training.reader_train import ReaderData, ReaderTrainConfig, train_reader
@@ -188,6 +188,47 @@ def test_questions_asked_without_their_passage_teach_the_null_entry(tiny_base, t
     assert all(a.null_probability > 5 * b.null_probability for a, b in zip(after, before, strict=True))
 
 
+def test_two_training_files_train_together_and_unanswerable_questions_read_their_own_passage(tiny_base, tmp_path):
+    import random
+
+    from cprag.training.examples import Examples, prepare_negatives
+    from cprag.training.reader_train import _question_rows
+
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    (tmp_path / "first").mkdir()
+    first, _, _ = _reader_data(tiny_base, tmp_path / "first", reader)
+    reviews = tmp_path / "reviews.json"
+    context = "The kettle boils fast. The lid sticks after a month."
+    reviews.write_text(json.dumps({"version": "v2.0", "data": [{"title": "kettle", "paragraphs": [{
+        "context": context, "qas": [
+            {"id": "r1", "question": "How fast does it boil?", "answers": [{"text": "fast", "answer_start": 17}]},
+            {"id": "r2", "question": "Is the handle comfortable?", "answers": [], "is_impossible": True}]}]}]}))
+    model, tokenizer = new_cplm(tiny_base, cp_layers=[1], adapter_layers=[1], adapter_rank=4, key_dim=8)
+    answerable = read_squad(reviews)
+    examples = prepare_examples(tokenizer, answerable)
+    unanswerable = prepare_negatives(tokenizer, read_squad(reviews, unanswerable=True), answerable)
+    examples = Examples(examples.passages, examples.questions + unanswerable.questions, examples.skipped)
+    cache, _ = activation_cache(model, tokenizer, examples, reviews, reader.config.split_layer, "float32",
+                                directory=tmp_path / "reviews-cache")
+    texts = first.texts | {"kettle#0": context}
+    data = ReaderData.build_many([(_first_examples(tiny_base, tmp_path / "first"), first.cache),
+                                  (examples, cache)], reader.config.split_layer, texts)
+    assert len(data.questions) == 8 + 2
+    impossible = next(q for q in data.questions if q.qid == "r2")
+    pairs: list = []
+    asked = _question_rows(data, impossible, False, 1, random.Random(0), pairs)
+    assert asked.gold is None and len(pairs) == 2  # its own passage, then a distractor from another file
+    assert torch.equal(pairs[0][1], data.passage("kettle#0"))
+    with pytest.raises(ValueError, match="in two training files"):
+        ReaderData.build_many([(examples, cache), (examples, cache)], reader.config.split_layer, texts)
+
+
+def _first_examples(tiny_base, tmp_path):
+    squad = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
+    _, tokenizer = new_cplm(tiny_base, cp_layers=[1], adapter_layers=[1], adapter_rank=4, key_dim=8)
+    return prepare_examples(tokenizer, read_squad(squad))
+
+
 def test_a_gold_span_inside_a_word_is_never_masked(tiny_base, tmp_path):
     import random
     from dataclasses import replace
@@ -211,8 +252,10 @@ def test_a_cache_without_the_split_or_too_few_questions_is_refused(tiny_base, tm
     examples = prepare_examples(tokenizer, read_squad(squad))
     with pytest.raises(ValueError, match="not the reader's split"):
         ReaderData.build(examples, data.cache, 0, texts)
+    assert len(ReaderData.build(examples, data.cache, 1, texts, max_questions=99).questions) == 8  # a small file
+    del data.cache.where[f"q/{examples.questions[3].qid}"]  # a cache whose build stopped early
     with pytest.raises(ValueError, match="build more"):
-        ReaderData.build(examples, data.cache, 1, texts, max_questions=99)
+        ReaderData.build(examples, data.cache, 1, texts, max_questions=8)
 
 
 def test_a_reader_on_another_base_is_refused_in_one_line(tiny_base, tmp_path):
@@ -227,6 +270,23 @@ def test_a_reader_on_another_base_is_refused_in_one_line(tiny_base, tmp_path):
     (tmp_path / "old" / "reader.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match="not a split span reader"):
         load_reader(tmp_path / "old")
+
+
+def test_training_goes_on_from_a_saved_reader_and_refuses_another_shape(tiny_base, tmp_path):
+    trained, _ = new_reader(tiny_base, seed=1, **TINY_READER)
+    with torch.no_grad():
+        trained.null.add_(1.0)
+        next(iter(trained.adapters.values())).lora_B.add_(0.5)
+    save_reader(trained, tmp_path / "reader")
+    fresh, _ = new_reader(tiny_base, seed=2, **TINY_READER)
+    continue_from(fresh, tmp_path / "reader")
+    for name, tensor in trained.trained_state().items():
+        assert torch.equal(fresh.trained_state()[name], tensor), name
+    other_rank, _ = new_reader(tiny_base, adapter_rank=8, lookahead=1)
+    with pytest.raises(CheckpointError, match="do not match"):
+        continue_from(other_rank, tmp_path / "reader")
+    with pytest.raises(CheckpointError, match="no span reader"):
+        continue_from(fresh, tmp_path / "nothing")
 
 
 def test_eval_squad_scores_a_saved_reader_beside_hidden_mode(tiny_base, tmp_path):
