@@ -76,6 +76,9 @@ def eval_squad_command(
                              "this way (fp16, int8 or pq, as cprag index --keys) gives them back."),
     pq_subvectors: int = typer.Option(None, "--pq-subvectors", help="With --keys pq: codes per key, as cprag index "
                                       "--pq-subvectors."),
+    dtype: str = typer.Option(None, "--dtype", help="float32 or bfloat16 for the model and the span reader with "
+                              "--oracle (default float32, as the figures in docs/results.md; with --index the "
+                              "index's default, as cprag ask)."),
     verify: bool = VERIFY_OPTION,
     reader: Path = typer.Option(None, "--reader", help="With --modes reader: the span reader's folder (default: "
                                 "the one shipped in cprag/checkpoints/default/reader)."),
@@ -93,6 +96,8 @@ def eval_squad_command(
     from cprag.evaluation.squad_eval import SquadEvalConfig, evaluate_squad, write_squad_report
     from cprag.model.checkpoint import held_out_articles
 
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        raise ConfigError("--dtype", dtype, "expected float32 or bfloat16")
     if (index is None) == (not oracle):
         raise ConfigError("--index/--oracle", index or oracle, "give exactly one of --index DIR or --oracle")
     from cprag.api import load_passage_prior
@@ -107,21 +112,24 @@ def eval_squad_command(
         if index is not None:
             from cprag.api import Index
 
-            opened = Index(index, checkpoint=checkpoint)
+            opened = Index(index, checkpoint=checkpoint, dtype=dtype)
             model, tokenizer = opened.model, opened.tokenizer
         else:
             from cprag.api import load_reranker
             from cprag.model.checkpoint import load_model
+            from cprag.model.runtime import DTYPES, place
 
             opened = None
             model, tokenizer = load_model(checkpoint)
+            if dtype not in (None, "float32"):
+                model = place(model, "cpu", DTYPES[dtype])
         verifier = _verifier(checkpoint, model.config, verify)
         span_reader = None
         if "reader" in config.modes and index is None:
             from cprag.model.reader_checkpoint import check_reader_base, load_reader
 
             check_reader_base(reader, model.config.base_model)
-            span_reader, _ = load_reader(reader)
+            span_reader, _ = load_reader(reader, dtype=DTYPES[dtype or "float32"])
     reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
         data, config, model, tokenizer, opened, progress, result, reranker, span_reader, verifier))

@@ -60,6 +60,11 @@ def test_eval_squad_oracle_writes_results_summary_report_and_plots(tmp_path, che
         return [(r["qid"], r["mode"], r["prediction"], r["passages"]) for r in rows]
 
     assert answers("batched") == answers("out")  # same memories, same answers, in the same order
+    bf16 = CliRunner().invoke(app, ["eval", "squad", str(data), "--oracle", "--limit", "3", "--modes", "hidden",
+                                    "--dtype", "bfloat16", "--out", str(tmp_path / "bf16"), "--checkpoint",
+                                    str(checkpoint), "--json"])
+    assert bf16.exit_code == 0, bf16.output
+    assert json.loads(bf16.stdout)["qa/hidden/n"] == 3
 
 
 def test_eval_squad_oracle_weighs_in_the_passage_prior_of_the_checkpoint_or_the_flag(tmp_path, checkpoint):
@@ -230,6 +235,8 @@ def test_eval_rejects_bad_flags_with_one_line(tmp_path, checkpoint):
     runner = CliRunner()
     both = runner.invoke(app, ["eval", "squad", "x.json", "--out", str(tmp_path), "--index", "i", "--oracle"])
     assert both.exit_code != 0 and "exactly one" in both.output
+    dtype = runner.invoke(app, ["eval", "squad", "x.json", "--out", str(tmp_path), "--oracle", "--dtype", "fp8"])
+    assert dtype.exit_code != 0 and "--dtype" in dtype.output and "float32 or bfloat16" in dtype.output
     depths = runner.invoke(app, ["eval", "needle", "--depths", "2", "--out", str(tmp_path)])
     assert depths.exit_code != 0 and "depths" in depths.output
 
