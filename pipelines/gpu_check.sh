@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-# the project's virtual environment where `make` made one, else the machine's python3 (the device image's)
+# the project's virtual environment where `make` made one, else the machine's python3
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
