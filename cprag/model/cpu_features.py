@@ -1,5 +1,5 @@
-"""What this CPU's instruction set offers for bf16, read from /proc/cpuinfo (no torch import: the training config
-resolves its dtype from it when it is built).
+"""What this CPU is and what its instruction set offers for bf16, read from /proc/cpuinfo (no torch import: the
+training config resolves its dtype from it when it is built).
 
 bf16 is fast only with bf16 units: AMX-BF16 or AVX512-BF16. Without them PyTorch emulates bf16 matmuls, and a
 pass runs several times slower than in fp32 (here, an AMD EPYC with AVX2 only: the frozen blocks 0-23 at 114
@@ -9,6 +9,7 @@ tokens/s in bf16 autocast against 734 in fp32, 8 x 128 tokens).
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -28,3 +29,14 @@ def fastest_cpu_dtype() -> str:
     """"bfloat16" where the CPU has bf16 units, else "float32": what batched passes (activation caches, training
     steps) should compute in on this machine."""
     return "bfloat16" if cpu_has_bf16_units() else "float32"
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for the figures a benchmark reports beside its speeds."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -25,19 +24,9 @@ from cprag.evaluation.oracle_qa import OracleMemory, oracle_passage_ids
 from cprag.evaluation.squad import read_squad
 from cprag.evaluation.squad_eval import sample_examples
 from cprag.model.checkpoint import load_model
-from cprag.model.cpu_features import cpu_has_bf16_units
+from cprag.model.cpu_features import cpu_has_bf16_units, cpu_name
 from cprag.model.reproducible import blas_reproducible
 from cprag.model.runtime import DTYPES, place
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def compare(data: Path, questions: int, dtype: str, batch: int) -> dict:
@@ -86,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    report = {"cpu": _cpu_name(), "bf16_units": cpu_has_bf16_units(), "reproducible_blas": blas_reproducible()}
+    report = {"cpu": cpu_name(), "bf16_units": cpu_has_bf16_units(), "reproducible_blas": blas_reproducible()}
     for dtype in args.dtypes.split(","):
         report[dtype] = compare(args.data, args.questions, dtype, args.batch)
         print(json.dumps({dtype: {k: v for k, v in report[dtype].items() if k != "differing"}}), file=sys.stderr)

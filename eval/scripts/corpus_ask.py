@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -24,16 +23,7 @@ from rich.progress import Progress
 
 from cprag import Index
 from cprag.evaluation.metrics import squad2_question_scores
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from cprag.model.cpu_features import cpu_name
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -21,17 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cprag.model.cpu_features import cpu_name
+
 ARMS = {"strict": "AUTO,STRICT", "default": ""}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def encode_speed(corpus: Path, dtype: str, cbwr: str, workdir: Path) -> float:
