@@ -119,7 +119,7 @@ def prepare(args, values: dict, device: str):
                           len(unanswerable.questions), "cache": str(cache.directory), **figures}), file=sys.stderr,
               flush=True)
         sources.append((examples, cache))
-        texts |= {pid: text for pid, (_, text) in data.passages.items()}
+        texts = {pid: text for pid, (_, text) in data.passages.items()} | texts  # an earlier file's passage stays
     del model
     if args.from_reader:
         continue_from(reader, args.from_reader)

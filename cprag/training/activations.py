@@ -144,14 +144,18 @@ class ActivationCache:
             for key, offset, length in zip(spans["keys"], spans["offsets"], spans["lengths"], strict=True):
                 self.where[key] = (array, offset, length)
 
-    def include(self, other: ActivationCache) -> None:
+    def include(self, other: ActivationCache, keep_own: bool = False) -> None:
         """Serve `other`'s sequences too (a second data file over the same passages: `cprag train --negatives`).
-        Both must hold the same layers of the same backbone, computed in the same dtype."""
+        Both must hold the same layers of the same backbone, computed in the same dtype. `keep_own`: a key both
+        hold keeps this cache's sequence (another file's passage that happens to share its id)."""
         for field in ("layers", "hidden_size", "fingerprint", "dtype"):
             if self.plan[field] != other.plan[field]:
                 raise CacheMismatch(str(other.directory), f"its {field} ({other.plan[field]}) differs from "
                                     f"{self.directory}'s ({self.plan[field]})")
-        self.where.update(other.where)
+        if keep_own:
+            self.where = {**other.where, **self.where}
+        else:
+            self.where.update(other.where)
 
     def __contains__(self, key: str) -> bool:
         return key in self.where

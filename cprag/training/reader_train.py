@@ -85,16 +85,17 @@ class ReaderData:
             if split not in source_cache.layers:
                 raise ValueError(f"the activation cache holds layers {source_cache.layers}, not the reader's split "
                                  f"{split}")
-            shared = sorted(set(offsets) & set(examples.passages))
-            if shared:
-                raise ValueError(f"passage {shared[0]!r} is in two training files: give each file its own titles")
+            # a passage id an earlier file already holds (Natural Questions and SQuAD share Wikipedia titles) is
+            # another paragraph: the earlier file keeps it, the later one leaves it and its questions out
+            shared = set(offsets) & set(examples.passages)
             if source_cache is not cache:
-                cache.include(source_cache)
-            questions += cls._cached_questions(examples, source_cache, max_questions)
+                cache.include(source_cache, keep_own=True)
+            questions += [q for q in cls._cached_questions(examples, source_cache, max_questions)
+                          if q.passage_id not in shared]
             for pid in examples.passages:
-                if f"p/{pid}" in source_cache:
+                if f"p/{pid}" in source_cache and pid not in shared:
                     by_article.setdefault(pid.rsplit("#", 1)[0], []).append(pid)
-            offsets |= {pid: p.offsets for pid, p in examples.passages.items()}
+            offsets |= {pid: p.offsets for pid, p in examples.passages.items() if pid not in shared}
         return cls(cache, cache.layers.index(split), questions, by_article, texts, offsets)
 
     @staticmethod

@@ -219,8 +219,21 @@ def test_two_training_files_train_together_and_unanswerable_questions_read_their
     asked = _question_rows(data, impossible, False, 1, random.Random(0), pairs)
     assert asked.gold is None and len(pairs) == 2  # its own passage, then a distractor from another file
     assert torch.equal(pairs[0][1], data.passage("kettle#0"))
-    with pytest.raises(ValueError, match="in two training files"):
-        ReaderData.build_many([(examples, cache), (examples, cache)], reader.config.split_layer, texts)
+    # a later file's other paragraph under the same id (NQ and SQuAD share Wikipedia titles): the earlier file
+    # keeps the id, its states and its text; the later file's question on it is left out
+    other = tmp_path / "other.json"
+    other_context = "A kettle whistles when the water is ready."
+    other.write_text(json.dumps({"version": "v2.0", "data": [{"title": "kettle", "paragraphs": [{
+        "context": other_context, "qas": [{"id": "o1", "question": "When does it whistle?",
+                                           "answers": [{"text": "when the water is ready", "answer_start": 18}]}]}]}]}))
+    other_examples = prepare_examples(tokenizer, read_squad(other))
+    other_cache, _ = activation_cache(model, tokenizer, other_examples, other, reader.config.split_layer, "float32",
+                                      directory=tmp_path / "other-cache")
+    kept = ReaderData.build_many([(examples, cache), (other_examples, other_cache)], reader.config.split_layer,
+                                 {"kettle#0": context})
+    assert sorted(q.qid for q in kept.questions) == ["r1", "r2"]
+    assert torch.equal(kept.passage("kettle#0"), data.passage("kettle#0"))
+    assert kept.by_article["kettle"] == ["kettle#0"]
 
 
 def _first_examples(tiny_base, tmp_path):
