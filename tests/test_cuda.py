@@ -60,3 +60,26 @@ def test_an_index_opened_on_the_gpu_answers_in_bf16_with_valid_citations(tmp_pat
         assert answer.answer
         for citation in answer.citations:
             assert citation.text and citation.text in " ".join(d["text"] for d in DOCS)
+
+
+def test_training_on_the_gpu_builds_the_cache_there_and_follows_the_cpu_run(tmp_path):
+    """fp32 steps on the GPU and on the CPU from the same seed: the same checkpoint layout, and losses that agree
+    to float rounding (the kernels differ, so not bit for bit)."""
+    from dataclasses import replace
+
+    from cprag.model.backbone import gguf_reference
+    from cprag.training.recipe import prepare
+    from cprag.training.train import train_model
+    from tests.tiny_models import write_tiny_gguf
+    from tests.tiny_squad import SMOKE, tiny_squad
+
+    write_tiny_gguf(tmp_path / "base.gguf")
+    data = tiny_squad(tmp_path / "tiny.json")
+    losses = {}
+    for device in ("cpu", "cuda"):
+        config = replace(SMOKE, device=device, visible_every=1, visible_batch=1)
+        ready = prepare(data, config, base=gguf_reference(tmp_path / "base.gguf"))
+        assert ready.model.copy_gate.weight.device.type == device
+        losses[device] = train_model(ready.model, ready.tokenizer, ready.train, ready.config).losses
+    assert len(losses["cuda"]) == len(losses["cpu"]) > 0
+    assert all(abs(a - b) < 1e-3 * max(1.0, abs(a)) for a, b in zip(losses["cpu"], losses["cuda"], strict=True))

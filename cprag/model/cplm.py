@@ -16,6 +16,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.utils import ModelOutput
 
 from cprag.model.adapters import LowRankDelta, build_adapters
+from cprag.model.backbone import output_weight
 from cprag.model.config import CPLMConfig
 from cprag.model.copy_head import (
     ContextState,
@@ -152,6 +153,8 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
     def __init__(self, config: CPLMConfig, backbone: nn.Module | None = None):
         super().__init__(config)
         self.backbone = backbone if backbone is not None else AutoModel.from_config(config.backbone_config)
+        if backbone is None and not getattr(config.backbone_config, "tie_word_embeddings", True):
+            self.backbone.add_module("lm_head", nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.copy_gate = nn.Linear(config.hidden_size, 1)  # the `<copy>` row of the LM head
         self.packed_lm_head: nn.Module | None = None  # the tied rows as one fast linear (cprag.model.runtime.place)
         self.cp_head = CopyHead(config)
@@ -175,8 +178,9 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         return self.cp_head.sink_key.dtype
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits from the rows tied to the input embeddings, in `hidden`'s dtype. (..., H) -> (..., V)."""
-        weight = self.get_input_embeddings().weight
+        """Vocabulary logits from the backbone's output rows (tied to the input embeddings, or its own untied
+        head), in `hidden`'s dtype. (..., H) -> (..., V)."""
+        weight = output_weight(self.backbone)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden.to(weight.dtype)).to(hidden.dtype)
         return (hidden.to(weight.dtype) @ weight.T).to(hidden.dtype)

@@ -1,7 +1,7 @@
 """oneDNN-packed linear layers and decoder layers: a bf16 backbone's passes about 1.3 times as fast on a CPU.
 
 `nn.Linear` hands oneDNN its weight in PyTorch's plain layout, and a bf16 matmul then re-blocks the weight on
-every call. At decoding's few rows per pass that re-blocking is most of the cost: a 576 -> 1536 projection took
+every call. At decoding's few rows per pass that re-blocking is most of the cost: a hidden -> MLP projection took
 about 150 us per call at 1 to 16 rows against about 75 us with the weight packed once, ahead of time, into
 oneDNN's own layout (`eval/cpu-latency.md`). The outputs are bit for bit those of `nn.Linear` (same kernel, same
 blocking); only the copy of the weight moves. This is what torch.compile's CPU freezing pass does, without its

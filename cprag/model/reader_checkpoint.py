@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from cprag.errors import CheckpointError
 from cprag.model.adapters import merge
-from cprag.model.backbone import BaseReference, default_reference, load_backbone
+from cprag.model.backbone import BaseReference, default_reference, load_backbone, resolve_backbone
 from cprag.model.runtime import reuse_freed_memory
 from cprag.model.span_reader import SpanReader, SpanReaderConfig
 
@@ -26,11 +26,12 @@ READER_WEIGHTS = "reader.safetensors"
 DEFAULT_READER = Path(__file__).resolve().parents[1] / "checkpoints" / "default" / "reader"
 
 
-def new_reader(ref: BaseReference | None = None, seed: int = 0, **overrides):
-    """A reader with fresh adapters, null state and head on a base backbone (the default GGUF when ref is None).
+def new_reader(ref: BaseReference | str | None = None, seed: int = 0, **overrides):
+    """A reader with fresh adapters, null state and head on a base backbone: a reference, or what `--backbone`
+    takes (a GGUF file, a model folder, a Hugging Face model id); the default GGUF when None.
 
     Returns (reader, tokenizer)."""
-    ref = ref or default_reference()
+    ref = resolve_backbone(ref) if isinstance(ref, str | Path) else ref or default_reference()
     backbone, tokenizer = load_backbone(ref)
     torch.manual_seed(seed)
     config = SpanReaderConfig(base_model=ref.to_dict(), num_layers=backbone.config.num_hidden_layers,

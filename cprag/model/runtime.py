@@ -14,6 +14,7 @@ import os
 import torch
 
 from cprag.errors import ConfigError
+from cprag.model.backbone import output_weight
 from cprag.model.cpu_features import cpu_has_bf16_units
 from cprag.model.packed_weights import PackedLinear, pack_decoder_layers, packing_supported
 
@@ -40,7 +41,7 @@ def place(model, device: str, dtype: torch.dtype):
     model.copy_gate.float()
     if packing_supported(device, dtype):  # the same outputs, faster (cprag.model.packed_weights)
         pack_decoder_layers(model.backbone)
-        model.packed_lm_head = PackedLinear(model.get_input_embeddings().weight.detach())
+        model.packed_lm_head = PackedLinear(output_weight(model.backbone).detach())
     return model
 
 

@@ -30,9 +30,9 @@ from torch import nn
 
 from cprag.model.adapters import ALL_MODULES, build_adapters
 from cprag.model.cplm import run_blocks
+from cprag.model.depth import split_layer
 
 NEG = -1e4  # a masked score: far below any real one, finite so that bf16 and softmax stay well defined
-SPLIT_FRACTION = 0.6  # the default split: blocks below 60% of the depth read each side alone (18 of 30)
 
 
 @dataclass
@@ -40,7 +40,7 @@ class SpanReaderConfig:
     base_model: dict  # the BaseReference dict of the backbone (cprag.model.backbone)
     num_layers: int  # the backbone's depth
     hidden_size: int
-    split_layer: int | None = None  # None: round(SPLIT_FRACTION * num_layers)
+    split_layer: int | None = None  # None: 60% of the depth (cprag.model.depth: 18 of 30)
     adapter_rank: int = 16
     adapter_alpha: float = 32.0
     lookahead: int = 2  # each position also sees the states of this many positions after it
@@ -48,7 +48,7 @@ class SpanReaderConfig:
 
     def __post_init__(self):
         if self.split_layer is None:
-            self.split_layer = round(SPLIT_FRACTION * self.num_layers)
+            self.split_layer = split_layer(self.num_layers)
         if not 0 < self.split_layer < self.num_layers:
             raise ValueError(f"split_layer {self.split_layer} must lie inside the backbone's {self.num_layers} blocks")
 

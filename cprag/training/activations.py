@@ -84,6 +84,7 @@ def build_cache(model, sequences: dict[str, list[int]], directory: str | Path, p
     else:
         _write_atomic(plan_file, json.dumps(plan.to_json()))
     autocast = plan.dtype == "bfloat16"
+    device = next(model.parameters()).device
     total = sum(len(c) for c in plan.chunks)
     done = tokens = written = skipped = 0
     started = time.perf_counter()
@@ -96,9 +97,9 @@ def build_cache(model, sequences: dict[str, list[int]], directory: str | Path, p
         passages = [_Sequence(sequences[k]) for k in keys]
         arrays: list[np.ndarray | None] = [None] * len(keys)
         for batch, input_ids, attention in length_batches(passages, pad_id, max_tokens, prefix=False):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                states = model.frozen_states(input_ids, attention, start)
-            stacked = torch.stack([states[i].float() for i in plan.layers], dim=2)  # (B, T, S, H)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                states = model.frozen_states(input_ids.to(device), attention.to(device), start)
+            stacked = torch.stack([states[i].float() for i in plan.layers], dim=2).cpu()  # (B, T, S, H)
             if stacked.abs().max() > FLOAT16_MAX:
                 raise OverflowError(f"activations above the float16 range in chunk {index}")
             for row, position in enumerate(batch):

@@ -15,7 +15,7 @@ time, its passages in the prompt (`visible_prompt_layout`), as visible decoding 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -51,6 +51,13 @@ class Batch:
     memory_mask: torch.Tensor  # (N, Tp) bool
     question_memory_mask: torch.Tensor  # (B, N * Tp) the entries each question may attend
     prior: torch.Tensor | None = None  # (B, N * Tp, F) lexical features of the entries for each question
+
+
+def on_device(example, device: torch.device):
+    """A batch (or visible example) with every tensor on `device`: built on the CPU, trained wherever the model is."""
+    moved = {f.name: getattr(example, f.name).to(device) for f in fields(example)
+             if isinstance(getattr(example, f.name), torch.Tensor) and getattr(example, f.name).device != device}
+    return replace(example, **moved) if moved else example
 
 
 def pad(tensors: list[torch.Tensor], value=0) -> torch.Tensor:

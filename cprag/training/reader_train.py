@@ -194,7 +194,7 @@ def reader_step_loss(reader: SpanReader, data: ReaderData, chosen: list[TrainQue
                                                                                            strict=True)]
     joined = pack_joined(pairs, reader.null, reader.config.lookahead, ROW_TOKENS)
     cast = getattr(torch, config.dtype)
-    with torch.autocast("cpu", dtype=cast, enabled=cast != torch.float32):
+    with torch.autocast(joined.hidden.device.type, dtype=cast, enabled=cast != torch.float32):
         start, end = reader.top(joined)
     losses = []
     for a in asked:

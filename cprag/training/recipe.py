@@ -16,8 +16,8 @@ from cprag.evaluation.oracle_qa import evaluate_oracle, oracle_passage_ids, summ
 from cprag.evaluation.squad import SquadData, article_split, read_squad
 from cprag.evaluation.squad_eval import sample_examples
 from cprag.model.adapters import merge
-from cprag.model.backbone import BaseReference, default_reference
-from cprag.model.checkpoint import DEFAULT_CHECKPOINT, model_fingerprint, new_cplm
+from cprag.model.backbone import BaseReference, default_reference, load_backbone, resolve_backbone
+from cprag.model.checkpoint import DEFAULT_CHECKPOINT, cplm_on, model_fingerprint
 from cprag.model.stored_weights import load_trained_tensors
 from cprag.training.config import TrainConfig
 from cprag.training.examples import Examples, activation_cache, prepare_examples, prepare_negatives
@@ -35,6 +35,7 @@ class Prepared:
     validation_data: SquadData  # the questions decoded for validation
     validation_articles: list[str]
     figures: dict
+    config: TrainConfig  # the run's settings placed on this backbone's depth (what train_config.json records)
 
 
 def _split(examples: Examples, articles: set[str]) -> Examples:
@@ -42,15 +43,22 @@ def _split(examples: Examples, articles: set[str]) -> Examples:
                     [q for q in examples.questions if q.article in articles], examples.skipped)
 
 
-def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | None = None,
+def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | str | Path | None = None,
             validation_path: str | Path | None = None,
             on_progress: Callable[[str, int, int], None] | None = None, build: bool = True) -> Prepared:
     """Build the model and the activation caches (resuming any partial cache; `build=False` uses the chunks
     already on disk, for a screen while a build runs elsewhere). Without `validation_path`, whole articles of
-    the training file are held out (`validation_fraction`)."""
-    base = base or default_reference()
+    the training file are held out (`validation_fraction`). `base` is the backbone: a reference, or a GGUF file,
+    model folder or Hugging Face model id (cprag.model.backbone.resolve_backbone); the default GGUF when None."""
+    if config.device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError("--device", config.device, "this machine has no CUDA device")
+    base = resolve_backbone(base) if isinstance(base, str | Path) else base or default_reference()
     torch.manual_seed(config.seed)
-    model, tokenizer = new_cplm(base, **config.head)
+    backbone, tokenizer = load_backbone(base)
+    config = config.for_depth(backbone.config.num_hidden_layers)
+    model = cplm_on(backbone, base, **config.head)
+    if config.device != "cpu":
+        model.to(config.device)  # the cache is built and the steps run there
     if config.init_from:
         load_trained_tensors(model, config.init_from, tuple(config.head))
     data = read_squad(data_path)
@@ -91,7 +99,7 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | No
     validation = TrainData.build(model, tokenizer, validation_examples, validation_cache, config.distractors,
                                  config.seed)
     figures["prepare/seconds"] = round(time.perf_counter() - tick, 1)
-    return Prepared(model, tokenizer, train, validation, validation_data, articles, figures)
+    return Prepared(model, tokenizer, train, validation, validation_data, articles, figures, config)
 
 
 def _negatives(model, tokenizer, config: TrainConfig, data: SquadData, cache, on_progress,
@@ -158,6 +166,7 @@ def resume_records(path: Path, examples) -> tuple[dict[str, dict], list[int]]:
 def screen_variant(prepared: Prepared, config: TrainConfig, validation_limit: int = 2000) -> dict:
     """A quick lever screen: train, then teacher-forced metrics (no decoding) on validation questions
     (`validation/tf/...`) and on 400 training questions (`train/tf/...`, to tell under- from overfitting)."""
+    config = config.for_depth(prepared.model.config.backbone_config.num_hidden_layers)
     report = train_model(prepared.model, prepared.tokenizer, prepared.train, config)
     metrics = {f"validation/{k}": v for k, v in teacher_forced_validation(
         prepared.model, prepared.tokenizer, prepared.validation, config, validation_limit, config.seed).items()}
@@ -169,7 +178,7 @@ def screen_variant(prepared: Prepared, config: TrainConfig, validation_limit: in
 
 
 def train_checkpoint(
-    data_path: str | Path, out_dir: str | Path, config: TrainConfig, base: BaseReference | None = None,
+    data_path: str | Path, out_dir: str | Path, config: TrainConfig, base: BaseReference | str | Path | None = None,
     validation_path: str | Path | None = None, validation_questions: int = 1000,
     validation_modes: tuple[str, ...] = ("hidden",), teacher_forced_questions: int | None = 2000,
     on_progress: Callable[[str, int, int], None] | None = None,
@@ -180,7 +189,7 @@ def train_checkpoint(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prepared = prepare(data_path, config, base, validation_path, on_progress)
-    model, tokenizer = prepared.model, prepared.tokenizer
+    model, tokenizer, config = prepared.model, prepared.tokenizer, prepared.config
 
     def report(stage):
         return (lambda done, total, *_: on_progress(stage, done, total)) if on_progress else None

@@ -35,6 +35,7 @@ from cprag.training.batches import (
     distractor_pool,
     make_batch,
     make_visible_example,
+    on_device,
 )
 from cprag.training.config import TrainConfig
 from cprag.training.examples import Examples, TrainQuestion
@@ -45,9 +46,14 @@ SCALAR_PARAMETERS = ("cp_head.successor", "cp_head.sink_bias", "copy_gate.bias",
                      "cp_head.lexical_end")
 
 
-def compute_context(dtype: str):
-    """bf16 autocast for the backbone blocks (the CPU's bf16 matrix units), or nothing for fp32."""
-    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+def compute_context(dtype: str, device: torch.device | str = "cpu"):
+    """bf16 autocast for the backbone blocks (a CPU's bf16 matrix units, or a GPU), or nothing for fp32."""
+    kind = torch.device(device).type
+    return torch.autocast(kind, dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+
+
+def model_device(model) -> torch.device:
+    return model.copy_gate.weight.device
 
 
 def lm_statistics(model, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor):
@@ -107,9 +113,12 @@ class TrainData:
 def batch_forward(model, batch: Batch, cache: ActivationCache, start: int, dtype: str, **targets):
     """The batch's passages as one shared memory (each question sees its own entries), then the CPLM outputs at
     the target positions. Returns (output, memory, LM statistics)."""
+    device = model_device(model)
+    batch = on_device(batch, device)
     question_states, question_mask = cache.states(batch.question_keys, lengths=batch.lengths)
-    with compute_context(dtype):
-        hidden, features = model.trained_states(question_states, question_mask, start)
+    question_states = {k: v.to(device) for k, v in question_states.items()}
+    with compute_context(dtype, device):
+        hidden, features = model.trained_states(question_states, question_mask.to(device), start)
     stats = lm_statistics(model, hidden.float(), batch.query_positions, batch.targets)
     passage_features = packed_features(model, cache, batch.passage_keys, start, dtype, batch.memory_ids.shape[1])
     docs = model.document_keys_from_hidden(passage_features, batch.memory_ids, batch.memory_mask)
@@ -128,8 +137,10 @@ def packed_features(model, cache: ActivationCache, keys: list[str], start: int, 
     """CP-head input of several cached sequences, run packed into short rows (little padding, attention within a
     row), returned right padded to `width`: (N, width, C) float32."""
     states, positions, placed = cache.packed(keys)
-    with compute_context(dtype):
-        _, features = model.trained_states(states, None, start, position_ids=positions)
+    device = model_device(model)
+    with compute_context(dtype, device):
+        _, features = model.trained_states({k: v.to(device) for k, v in states.items()}, None, start,
+                                           position_ids=positions.to(device))
     out = features.new_zeros((len(keys), width, features.shape[-1]), dtype=torch.float32)
     for index, (row, first) in enumerate(placed):
         length = cache.length(keys[index])
@@ -168,25 +179,28 @@ def batch_loss(model, batch: Batch, cache: ActivationCache, start: int, dtype: s
 
 def visible_loss(model, tokenizer, example: VisibleExample, start: int, dtype: str) -> torch.Tensor:
     """The visible form of one question, keyed and scored as visible decoding does (`generate`)."""
+    device = model_device(model)
+    example = on_device(example, device)
     ids = example.input_ids
     mask = torch.ones_like(ids)
-    with torch.no_grad(), compute_context(dtype):
+    with torch.no_grad(), compute_context(dtype, device):
         states = model.frozen_states(ids, mask, start)
-    with compute_context(dtype):
+    with compute_context(dtype, device):
         hidden, features = model.trained_states({k: v.float() for k, v in states.items()}, mask, start)
     hidden, features = hidden.float(), features.float()
     stats = lm_statistics(model, hidden, example.query_positions, example.targets)
     prompt = ids[:, : example.prompt_len]
     memory, _, _ = prompt_passage_memory(model, features[:, : example.prompt_len], prompt, example.spans,
                                          example.bodies)
-    memory.prior = lexical_prior(model, tokenizer, example.question, memory.ids[0])
+    prior = lexical_prior(model, tokenizer, example.question, memory.ids[0])
+    memory.prior = prior.to(device) if prior is not None else None
     copyable = torch.ones_like(ids, dtype=torch.bool)
     for first, kept in example.spans:  # passage positions are copied through their memory entries only
         copyable[0, first - 1 : first + kept] = False
     out = model.forward_hidden(hidden, ids, mask, memory, prev_source=example.prev_source, lm_stats=stats,
                                return_log_probs=False, query_positions=example.query_positions,
                                cp_features=features, copyable=copyable, targets=example.targets)
-    return qa_loss(out, stats, example.targets, example.weights, torch.tensor([example.no_answer]))
+    return qa_loss(out, stats, example.targets, example.weights, torch.tensor([example.no_answer], device=device))
 
 
 @dataclass
@@ -360,6 +374,7 @@ def teacher_forced_metrics(model, batches: list[Batch], cache: ActivationCache, 
     model.eval()
     first = last = exact = tokens = correct = 0
     for batch in batches:
+        batch = on_device(batch, model_device(model))
         out, memory, _ = batch_forward(model, batch, cache, start, dtype)
         entries = out.copy_log_attention.argmax(-1)  # (B, Q)
         external = 2 * memory.size if model.cp_head.end_q_proj is not None else memory.size
