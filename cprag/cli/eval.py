@@ -54,6 +54,15 @@ def _verifier(checkpoint, model_config, verify: bool | None):
     return None if verify is False else chosen_verifier(load_verifier(checkpoint, model_config), verify)
 
 
+def _span_reader(reader: Path | None, model_config, dtype: str | None):
+    """The span reader at `reader` (default: the shipped one), refused when it was trained on another backbone."""
+    from cprag.model.reader_checkpoint import check_reader_base, load_reader
+    from cprag.model.runtime import DTYPES
+
+    check_reader_base(reader, model_config.base_model)
+    return load_reader(reader, dtype=DTYPES[dtype or "float32"])[0]
+
+
 @reports_errors
 def eval_squad_command(
     data: Path = typer.Argument(..., help="SQuAD-format JSON with questions and reference answers."),
@@ -124,12 +133,7 @@ def eval_squad_command(
             if dtype not in (None, "float32"):
                 model = place(model, "cpu", DTYPES[dtype])
         verifier = _verifier(checkpoint, model.config, verify)
-        span_reader = None
-        if "reader" in config.modes and index is None:
-            from cprag.model.reader_checkpoint import check_reader_base, load_reader
-
-            check_reader_base(reader, model.config.base_model)
-            span_reader, _ = load_reader(reader, dtype=DTYPES[dtype or "float32"])
+        span_reader = _span_reader(reader, model.config, dtype) if "reader" in config.modes and index is None else None
     reranker = opened.reranker if opened is not None else load_reranker(checkpoint, model.config)
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad(
         data, config, model, tokenizer, opened, progress, result, reranker, span_reader, verifier))
@@ -145,11 +149,16 @@ def eval_squad2_command(
     data: Path = typer.Argument(..., help="SQuAD 2.0 JSON (questions marked is_impossible have no answer)."),
     oracle: bool = typer.Option(True, "--oracle", help="Each question's own paragraph plus 4 distractors "
                                 "(the memory squad2 uses; kept for the same flags as eval squad)."),
-    modes: str = typer.Option("hidden", "--modes", help="Comma-separated: hidden,visible,closed."),
+    modes: str = typer.Option("hidden", "--modes", help="Comma-separated: hidden,visible,closed, and reader (the "
+                              "span reader, withholding by its null entry)."),
     limit: int = typer.Option(None, "--limit", help="A seeded random sample of N questions."),
     seed: int = typer.Option(0, "--seed"),
     min_confidence: float = typer.Option(None, "--min-confidence", help="Withhold answers below this confidence "
                                          "(default: the checkpoint's)."),
+    dtype: str = typer.Option(None, "--dtype", help="float32 or bfloat16 for the model and the span reader "
+                              "(default float32)."),
+    reader: Path = typer.Option(None, "--reader", help="With --modes reader: the span reader's folder (default: "
+                                "the one shipped in cprag/checkpoints/default/reader)."),
     start_beam: int = START_BEAM_OPTION,
     passage_prior: float = PASSAGE_PRIOR_OPTION,
     end_bias: float = END_BIAS_OPTION,
@@ -163,27 +172,34 @@ def eval_squad2_command(
     threshold, with answers below the confidence threshold withheld.
 
     Example: cprag eval squad2 squad-v2.0-dev-public.json --limit 1000 --out eval/runs/squad2
+    Example: cprag eval squad2 DATA --limit 1000 --modes hidden,reader --dtype bfloat16 --out eval/runs/sq2-reader
     """
     from cprag.api import load_passage_prior, load_reranker
     from cprag.errors import ConfigError
     from cprag.evaluation.squad2 import evaluate_squad2, write_squad2_report
     from cprag.evaluation.squad_eval import SquadEvalConfig
     from cprag.model.checkpoint import load_model
+    from cprag.model.runtime import DTYPES, place
 
     if not oracle:
         raise ConfigError("--oracle", oracle, "squad2 answers from each question's own paragraph and distractors")
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        raise ConfigError("--dtype", dtype, "expected float32 or bfloat16")
     config = SquadEvalConfig(modes=tuple(m.strip() for m in modes.split(",") if m.strip()), limit=limit, seed=seed,
                              batch_size=batch_size, end_bias=end_bias, start_beam=start_beam,
                              passage_prior=load_passage_prior(checkpoint) if passage_prior is None else passage_prior)
     with err.status("loading the model"):
         model, tokenizer = load_model(checkpoint)
+        if dtype not in (None, "float32"):
+            model = place(model, "cpu", DTYPES[dtype])
         reranker = load_reranker(checkpoint, model.config)
         verifier = _verifier(checkpoint, model.config, verify)
+        span_reader = _span_reader(reader, model.config, dtype) if "reader" in config.modes else None
     threshold = model.config.min_confidence if min_confidence is None else min_confidence
     if not 0.0 <= threshold <= 1.0:
         raise ConfigError("--min-confidence", threshold, "must be a probability in [0, 1]")
     summary, results = answers_streamed(out_dir, as_json, lambda progress, result: evaluate_squad2(
-        data, config, model, tokenizer, threshold, progress, result, reranker, verifier))
+        data, config, model, tokenizer, threshold, progress, result, reranker, verifier, span_reader))
     write_squad2_report(out_dir, summary, results, f"SQuAD 2.0 (oracle, {summary['eval/questions']} q)")
     _show_report(out_dir, summary, as_json, "results.jsonl, summary.json, report.md, abstention.png")
 

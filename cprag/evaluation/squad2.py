@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
 from cprag.decoding.rerank import default_start_beam
-from cprag.evaluation.metrics import auc, best_threshold, squad2_question_scores
+from cprag.evaluation.metrics import auc, best_threshold, squad2_question_scores, threshold_at_rule
 from cprag.evaluation.oracle_qa import QAResult, evaluate_oracle
 from cprag.evaluation.squad import read_squad
 from cprag.evaluation.squad_eval import SquadEvalConfig, bar_plot, sample_examples
@@ -55,6 +55,9 @@ def summarize_squad2(results: list[QAResult], answerable: dict[str, bool], thres
         if verifier is not None and mode in VERIFIED_MODES:
             summary.update(verifier_rows(results, mode, answerable, verifier))
         chosen = [r for r in results if r.mode == mode]
+        if mode == "reader":
+            summary.update(reader_rows(chosen, answerable))
+            continue
         prefix = f"qa2/{mode}/"
         usable = [r for r in chosen if r.confidence is not None]  # closed mode has no passages, hence none
         at = threshold if usable else 0.0
@@ -72,6 +75,33 @@ def summarize_squad2(results: list[QAResult], answerable: dict[str, bool], thres
         summary[prefix + "n"] = len(chosen)
         summary[prefix + "has_n"] = sum(answerable[r.qid] for r in chosen)
     return summary
+
+
+def reader_rows(chosen: list[QAResult], answerable: dict[str, bool]) -> dict[str, float]:
+    """qa2/reader/...: the span reader withholds by its own null entry (no answer where the null outscores every
+    span), not by a confidence threshold. Its answerable score is 1 - the null entry's probability; the AUC, the
+    threshold that maximises overall F1 and the 5-point rule's threshold are read on that score."""
+    prefix = "qa2/reader/"
+    rows = {prefix + k: v for k, v in abstention_scores(chosen, answerable, 0.0).items()}
+    spans = [replace(r, prediction=r.withheld_answer if r.withheld_answer is not None else r.prediction,
+                     confidence=None) for r in chosen]
+    always = abstention_scores(spans, answerable, 0.0)
+    rows[prefix + "has_f1_always"], rows[prefix + "f1_always"] = always["has_f1"], always["f1"]
+    rows[prefix + "threshold"] = 0.0  # no confidence threshold: the null entry decides
+    rows[prefix + "n"], rows[prefix + "has_n"] = len(chosen), sum(answerable[r.qid] for r in chosen)
+    score = np.array([1.0 - (r.stop_probability or 0.0) for r in chosen])
+    labels = np.array([answerable[r.qid] for r in chosen], dtype=bool)
+    singles = np.array([squad2_question_scores(r.prediction, r.references)[1] for r in spans])
+    best, best_at = best_threshold(list(score), list(labels), list(singles), [bool(r.prediction) for r in spans])
+    rows[prefix + "best_f1"] = round(best, 2)
+    rows[prefix + "best_threshold"] = round(best_at, 6) if np.isfinite(best_at) else 1.0
+    if 0 < labels.sum() < len(labels):
+        rows[prefix + "auc"] = round(auc(labels, score), 3)
+        at, _ = threshold_at_rule(score, labels, 100 * singles)
+        ruled = [replace(r, confidence=float(s)) for r, s in zip(spans, score, strict=True)]
+        rows |= {f"{prefix}rule_{k}": v for k, v in abstention_scores(ruled, answerable, at).items()}
+        rows[prefix + "rule_threshold"] = round(at, 6)
+    return rows
 
 
 def verifier_rows(results: list[QAResult], mode: str, answerable: dict[str, bool], verifier) -> dict[str, float]:
@@ -94,12 +124,13 @@ def verifier_rows(results: list[QAResult], mode: str, answerable: dict[str, bool
 
 def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, tokenizer, threshold: float,
                     on_progress: Callable[[int, int], None] | None = None,
-                    on_result: Callable[[QAResult], None] | None = None, reranker=None, verifier=None
-                    ) -> tuple[dict, list[QAResult]]:
+                    on_result: Callable[[QAResult], None] | None = None, reranker=None, verifier=None,
+                    reader=None) -> tuple[dict, list[QAResult]]:
     """Answer every sampled question (always, recording confidences), then score with abstention below
     `threshold`. Returns (summary, results). Abstention follows the greedy first token's confidence whatever
     the start beam (`config.start_beam`, None: `reranker`'s), which only changes the answers given. With
-    `verifier`, every answer is also verified (after all are decoded) and scored both ways."""
+    `verifier`, every answer is also verified (after all are decoded) and scored both ways. Mode "reader" needs
+    `reader`, a loaded span reader (`reader_rows`)."""
     data = read_squad(data_path, unanswerable=True)
     examples = sample_examples(data, config.limit, config.seed, config.articles)
     total, done = len(examples) * len(config.modes), [0]
@@ -115,7 +146,7 @@ def evaluate_squad2(data_path: str | Path, config: SquadEvalConfig, model, token
     results = evaluate_oracle(model, tokenizer, examples, data.passages, list(config.modes), config.distractors,
                               config.seed, config.max_new_tokens, on_result=tick, batch_size=config.batch_size,
                               passage_prior=config.passage_prior, end_bias=config.end_bias,
-                              start_beam=start_beam, reranker=reranker)
+                              start_beam=start_beam, reranker=reranker, reader=reader)
     answerable = {e.qid: e.answerable for e in examples}
     verify_ms = verify_results(model, tokenizer, verifier, results, data.passages) if verifier else None
     summary = summarize_squad2(results, answerable, threshold, verifier)
@@ -143,8 +174,13 @@ def write_squad2_report(out_dir: str | Path, summary: dict, results: list[QAResu
         f"({summary[f'qa2/{m}/has_f1_always']:.1f}) | {summary[f'qa2/{m}/noans_acc']:.1f} | "
         f"{summary[f'qa2/{m}/em']:.1f} | {summary[f'qa2/{m}/f1']:.1f} | {summary.get(f'qa2/{m}/best_f1', '')} |"
         for m in modes)
-    aucs = "".join(f"- AUC answerable over unanswerable, {'verifier' if '+' in m else 'confidence'} ({m}): "
+    score_of = {m: "verifier" if "+" in m else "1 - p(null)" if m == "reader" else "confidence" for m in modes}
+    aucs = "".join(f"- AUC answerable over unanswerable, {score_of[m]} ({m}): "
                    f"{summary[f'qa2/{m}/auc']}\n" for m in modes if f"qa2/{m}/auc" in summary)
+    if "qa2/reader/rule_threshold" in summary:
+        aucs += (f"- reader at the 5-point rule's threshold ({summary['qa2/reader/rule_threshold']:.3f} on "
+                 f"1 - p(null)): HasAns F1 {summary['qa2/reader/rule_has_f1']:.1f}, NoAns "
+                 f"{summary['qa2/reader/rule_noans_acc']:.1f}, overall F1 {summary['qa2/reader/rule_f1']:.1f}\n")
     aucs = aucs + "\n" if aucs else ""
     bar_plot(out_dir / "abstention.png", modes,
               [[summary[f"qa2/{m}/has_f1"] for m in modes], [summary[f"qa2/{m}/noans_acc"] for m in modes],
@@ -153,5 +189,7 @@ def write_squad2_report(out_dir: str | Path, summary: dict, results: list[QAResu
     (out_dir / "report.md").write_text(
         f"# {title}\n\nAnswers whose confidence is below the threshold are withheld (SQuAD 2.0 rules; in brackets, "
         "HasAns F1 when every question is answered). In the `+verifier` rows the answers the verifier scores below "
-        "its threshold are withheld instead (cprag.decoding.verify).\n\n| mode | n | threshold | HasAns F1 | NoAns acc "
+        "its threshold are withheld instead (cprag.decoding.verify). The span reader withholds where its null "
+        "entry outscores every span (threshold 0: none applied); its AUC is read on 1 - p(null)."
+        "\n\n| mode | n | threshold | HasAns F1 | NoAns acc "
         f"| EM | F1 | best F1 |\n|---|---|---|---|---|---|---|---|\n{rows}\n\n{aucs}![abstention](abstention.png)\n")

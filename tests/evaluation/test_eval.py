@@ -9,8 +9,10 @@ from typer.testing import CliRunner
 from cprag.cli import app
 from cprag.evaluation.needle import NEEDLE, build_haystack
 from cprag.index.reader import open_snapshot
+from cprag.model.backbone import gguf_reference
 from cprag.model.checkpoint import load_model
-from tests.tiny_models import DOCS, tiny_checkpoint, verifier_beside, write_jsonl
+from cprag.model.reader_checkpoint import new_reader, save_reader
+from tests.tiny_models import DOCS, tiny_checkpoint, verifier_beside, write_jsonl, write_tiny_gguf
 from tests.tiny_squad import tiny_squad
 
 
@@ -112,6 +114,38 @@ def test_eval_squad2_scores_abstention_with_the_official_rules(tmp_path, checkpo
     assert all(r["confidence"] is not None for r in results if r["mode"] == "hidden")
     for name in ("summary.json", "report.md", "abstention.png"):
         assert (tmp_path / "out" / name).stat().st_size > 100
+
+
+def test_eval_squad2_scores_the_span_reader_by_its_null_entry(tmp_path, checkpoint):
+    reader, _ = new_reader(gguf_reference(checkpoint.parent / "base.gguf"), adapter_rank=4, lookahead=1)
+    save_reader(reader, tmp_path / "reader")
+    data = tiny_squad(tmp_path / "tiny2.json", missing_answer=False, unanswerable=True)
+    out = tmp_path / "out"
+    args = ["eval", "squad2", str(data), "--modes", "hidden,reader", "--no-verify", "--out", str(out),
+            "--checkpoint", str(checkpoint)]
+    shown = CliRunner().invoke(app, [*args, "--reader", str(tmp_path / "reader"), "--json"])
+    assert shown.exit_code == 0, shown.output
+    summary = json.loads(shown.stdout)
+    assert summary["qa2/reader/n"] == 12 and summary["qa2/reader/has_n"] == 8
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    read = [r for r in rows if r["mode"] == "reader"]
+    assert len(read) == 12 and all(r["stop_probability"] is not None for r in read)
+    # its own null entry withholds, whatever the confidence: an unanswerable question is right where it said so
+    unanswerable = [r for r in read if not r["references"]]
+    assert summary["qa2/reader/noans_acc"] == pytest.approx(100 * sum(r["prediction"] == "" for r in unanswerable)
+                                                            / 4, abs=0.01)
+    assert all(r["prediction"] == "" for r in read if r["no_answer"])
+    # answering always gives back the spans it withheld, so HasAns can only gain
+    assert summary["qa2/reader/has_f1_always"] >= summary["qa2/reader/has_f1"]
+    assert 0 <= summary["qa2/reader/auc"] <= 1 and 0 <= summary["qa2/reader/rule_threshold"] <= 1
+    assert summary["qa2/reader/rule_has_f1"] >= summary["qa2/reader/has_f1_always"] - 5
+    assert summary["qa2/reader/best_f1"] >= max(summary["qa2/reader/f1"], summary["qa2/reader/rule_f1"]) - 0.01
+    assert "1 - p(null)" in (out / "report.md").read_text()
+    write_tiny_gguf(tmp_path / "other.gguf", seed=1)  # a reader of another backbone is refused in one line
+    other, _ = new_reader(gguf_reference(tmp_path / "other.gguf"), adapter_rank=4, lookahead=1)
+    save_reader(other, tmp_path / "other-reader")
+    refused = CliRunner().invoke(app, [*args, "--reader", str(tmp_path / "other-reader")])
+    assert refused.exit_code != 0 and len(refused.output.strip().splitlines()) == 1
 
 
 def test_eval_squad_held_out_keeps_to_the_articles_training_held_out(tmp_path, checkpoint):
