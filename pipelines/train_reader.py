@@ -57,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cprag.model.cpu_features import fastest_cpu_dtype
+    from cprag.model.cpu_features import fastest_dtype
     from cprag.model.runtime import default_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
-    values = {"dtype": fastest_cpu_dtype() if device == "cpu" else "bfloat16"}
+    values = {"dtype": fastest_dtype(device)}
     for f in fields(ReaderTrainConfig):
         given = getattr(args, f.name, None)
         if given is not None:
@@ -93,7 +93,7 @@ def prepare(args, values: dict, device: str):
     from cprag.evaluation.squad import read_squad
     from cprag.model.backbone import BaseReference
     from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
-    from cprag.model.cpu_features import fastest_cpu_dtype
+    from cprag.model.cpu_features import fastest_dtype
     from cprag.model.reader_checkpoint import continue_from, new_reader, warm_start
     from cprag.training.examples import Examples, activation_cache, prepare_examples, prepare_negatives
     from cprag.training.reader_train import ReaderData, ReaderTrainConfig
@@ -103,7 +103,7 @@ def prepare(args, values: dict, device: str):
     model, tokenizer = load_model(args.checkpoint)
     reader, _ = new_reader(BaseReference.from_dict(model.config.base_model), seed=config.seed)  # the CPLM's backbone
     split = reader.config.split_layer
-    dtype = fastest_cpu_dtype() if device == "cpu" else "bfloat16"
+    dtype = fastest_dtype(device)
 
     def progress(done: int, total: int, tokens: int) -> None:
         print(json.dumps({"cache": f"{done}/{total}", "tokens": tokens}), file=sys.stderr, flush=True)

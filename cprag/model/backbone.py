@@ -207,6 +207,14 @@ def resolve_backbone(name: str | os.PathLike) -> BaseReference:
                            "(owner/name)")
 
 
+def as_reference(ref: BaseReference | str | os.PathLike | None) -> BaseReference:
+    """A backbone argument as a reference: a reference as it is, what `--backbone` takes resolved
+    (`resolve_backbone`), None the default GGUF."""
+    if ref is None:
+        return default_reference()
+    return ref if isinstance(ref, BaseReference) else resolve_backbone(ref)
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("CPRAG_CACHE", Path.home() / ".cache" / "cprag"))
 

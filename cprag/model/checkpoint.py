@@ -15,7 +15,7 @@ import torch
 
 from cprag.errors import CheckpointError
 from cprag.model.adapters import merge
-from cprag.model.backbone import BaseReference, default_reference, load_backbone, resolve_backbone
+from cprag.model.backbone import BaseReference, as_reference, load_backbone
 from cprag.model.config import CPLMConfig
 from cprag.model.cplm import CPLMForCausalLM
 from cprag.model.depth import resolve_head
@@ -29,7 +29,7 @@ def new_cplm(ref: BaseReference | str | None = None, **config_overrides):
 
     Returns (model, tokenizer).
     """
-    ref = resolve_backbone(ref) if isinstance(ref, str | Path) else ref or default_reference()
+    ref = as_reference(ref)
     backbone, tokenizer = load_backbone(ref)
     return cplm_on(backbone, ref, **config_overrides), tokenizer
 

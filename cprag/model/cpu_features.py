@@ -31,6 +31,11 @@ def fastest_cpu_dtype() -> str:
     return "bfloat16" if cpu_has_bf16_units() else "float32"
 
 
+def fastest_dtype(device: str = "cpu") -> str:
+    """What batched passes should compute in on `device`: bf16 on a GPU, else `fastest_cpu_dtype`."""
+    return "bfloat16" if str(device).startswith("cuda") else fastest_cpu_dtype()
+
+
 def cpu_name() -> str:
     """The CPU's model name, for the figures a benchmark reports beside its speeds."""
     try:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from cprag.errors import CheckpointError
 from cprag.model.adapters import merge
-from cprag.model.backbone import BaseReference, default_reference, load_backbone, resolve_backbone
+from cprag.model.backbone import BaseReference, as_reference, load_backbone
 from cprag.model.runtime import reuse_freed_memory
 from cprag.model.span_reader import SpanReader, SpanReaderConfig
 
@@ -31,7 +31,7 @@ def new_reader(ref: BaseReference | str | None = None, seed: int = 0, **override
     takes (a GGUF file, a model folder, a Hugging Face model id); the default GGUF when None.
 
     Returns (reader, tokenizer)."""
-    ref = resolve_backbone(ref) if isinstance(ref, str | Path) else ref or default_reference()
+    ref = as_reference(ref)
     backbone, tokenizer = load_backbone(ref)
     torch.manual_seed(seed)
     config = SpanReaderConfig(base_model=ref.to_dict(), num_layers=backbone.config.num_hidden_layers,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from cprag.errors import ConfigError
-from cprag.model.cpu_features import fastest_cpu_dtype
+from cprag.model.cpu_features import fastest_dtype
 from cprag.model.depth import AUTO, resolve_head, split_layer
 
 DTYPES = ("bfloat16", "float32")
@@ -70,7 +70,7 @@ class TrainConfig:
     })
 
     def __post_init__(self):
-        fastest = "bfloat16" if self.device.startswith("cuda") else fastest_cpu_dtype()
+        fastest = fastest_dtype(self.device)
         self.dtype = fastest if self.dtype == "auto" else self.dtype
         self.cache_dtype = fastest if self.cache_dtype == "auto" else self.cache_dtype
         checks = [("--epochs", self.epochs, self.epochs > 0), ("--lr", self.lr, self.lr > 0),

@@ -16,7 +16,7 @@ from cprag.evaluation.oracle_qa import evaluate_oracle, oracle_passage_ids, summ
 from cprag.evaluation.squad import SquadData, article_split, read_squad
 from cprag.evaluation.squad_eval import sample_examples
 from cprag.model.adapters import merge
-from cprag.model.backbone import BaseReference, default_reference, load_backbone, resolve_backbone
+from cprag.model.backbone import BaseReference, as_reference, load_backbone
 from cprag.model.checkpoint import DEFAULT_CHECKPOINT, cplm_on, model_fingerprint
 from cprag.model.stored_weights import load_trained_tensors
 from cprag.training.config import TrainConfig
@@ -52,7 +52,7 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | st
     model folder or Hugging Face model id (cprag.model.backbone.resolve_backbone); the default GGUF when None."""
     if config.device != "cpu" and not torch.cuda.is_available():
         raise ConfigError("--device", config.device, "this machine has no CUDA device")
-    base = resolve_backbone(base) if isinstance(base, str | Path) else base or default_reference()
+    base = as_reference(base)
     torch.manual_seed(config.seed)
     backbone, tokenizer = load_backbone(base)
     config = config.for_depth(backbone.config.num_hidden_layers)

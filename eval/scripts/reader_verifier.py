@@ -28,13 +28,16 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from cprag.decoding.span_read import read_passages
 from cprag.evaluation.metrics import auc, best_threshold, squad2_question_scores, threshold_at_rule
+from cprag.evaluation.oracle_qa import QAResult
 from cprag.evaluation.squad import read_squad
+from cprag.evaluation.squad2 import abstention_scores
 from cprag.model.cpu_features import cpu_name
 from cprag.model.reader_checkpoint import load_reader
 from cprag.model.runtime import DTYPES
@@ -74,14 +77,8 @@ def scores(answers: list) -> dict[str, np.ndarray]:
 
 def figures(rows: list[dict], predictions: list[str]) -> dict[str, float]:
     """Official SQuAD 2.0 figures (percent) of these predictions ("" withholds)."""
-    em_f1 = np.array([squad2_question_scores(p, r["references"]) for p, r in zip(predictions, rows, strict=True)])
-    has = np.array([bool(r["references"]) for r in rows])
-    out = {"f1": 100 * em_f1[:, 1].mean(), "em": 100 * em_f1[:, 0].mean()}
-    if has.any():
-        out["has_f1"] = 100 * em_f1[has, 1].mean()
-    if (~has).any():
-        out["noans_acc"] = 100 * em_f1[~has, 0].mean()
-    return {k: round(float(v), 2) for k, v in out.items()}
+    results = [replace(QAResult(**r), prediction=p, confidence=None) for r, p in zip(rows, predictions, strict=True)]
+    return abstention_scores(results, {r["qid"]: bool(r["references"]) for r in rows}, 0.0)
 
 
 def disagree(hidden: str, answer) -> bool:
@@ -142,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         "reader's own span (answering always)": figures(rows, spans),
         "policies": {name: figures(rows, p) for name, p in policies.items()},
     }
-    if all(r.get("answerable") is not None or not r["prediction"] for r in rows):
+    if any(r.get("answerable") is not None for r in rows):  # an answer it did not score counts as kept (1.0)
         summary["squad2"]["auc"]["logistic verifier"] = round(auc(labels, np.array(
-            [r.get("answerable") or 0.0 for r in rows])), 3)
+            [1.0 if r.get("answerable") is None else r["answerable"] for r in rows])), 3)
 
     if args.squad_results:
         rows1 = [r for r in map(json.loads, open(args.squad_results)) if r["mode"] == "hidden"]
