@@ -186,6 +186,13 @@ def test_a_backbone_that_is_not_there_is_one_line_and_a_failed_exit(tmp_path, na
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_missing_folder_beside_local_ones_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()  # "models/my-llama" reads as owner/name, but "models" is a folder here
+    with pytest.raises(BackboneNotFound, match="no such GGUF file or model folder in models"):
+        resolve_backbone("models/my-llama")
+
+
 def test_a_weights_file_that_is_not_a_gguf_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x")
     with pytest.raises(BackboneNotFound, match="model folder"):

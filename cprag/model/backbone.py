@@ -201,6 +201,8 @@ def resolve_backbone(name: str | os.PathLike) -> BaseReference:
         return gguf_reference(path)
     if path.is_dir():
         return folder_reference(path)
+    if path.parent != Path(".") and path.parent.is_dir():  # a local path with a typo: never sent to the hub
+        raise BackboneNotFound(str(name), f"no such GGUF file or model folder in {path.parent}")
     if HUB_ID.fullmatch(str(name)):
         return hub_reference(str(name))
     raise BackboneNotFound(str(name), "no such GGUF file or model folder, and not a Hugging Face model id "
