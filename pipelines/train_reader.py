@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-warm", action="store_true", help="fresh adapters instead of the checkpoint's")
     parser.add_argument("--from-reader", default=None, help="go on from a saved reader's adapters, null and head "
                         "(e.g. cprag/checkpoints/default/reader) instead of the CPLM's adapters")
+    parser.add_argument("--passage-attention", choices=["causal", "both"], default="causal",
+                        help="'both': passage positions read the whole passage in the upper blocks")
     parser.add_argument("--no-build", action="store_true", help="train on the cache chunks already on disk")
     parser.add_argument("--snapshot-questions", default="", help="comma-separated question counts to snapshot at")
     parser.add_argument("--cost-steps", type=int, default=0, help="measure this many steps, print the run's cost")
@@ -101,7 +103,8 @@ def prepare(args, values: dict, device: str):
     config = ReaderTrainConfig(**values)
     started = time.perf_counter()
     model, tokenizer = load_model(args.checkpoint)
-    reader, _ = new_reader(BaseReference.from_dict(model.config.base_model), seed=config.seed)  # the CPLM's backbone
+    reader, _ = new_reader(BaseReference.from_dict(model.config.base_model), seed=config.seed,  # the CPLM's backbone
+                           passage_attention=args.passage_attention)
     split = reader.config.split_layer
     dtype = fastest_dtype(device)
 

@@ -19,7 +19,7 @@ import torch
 
 from cprag.decoding.prompt import prompt_ids
 from cprag.index.encode import TokenizedPassage, length_batches, tokenize_passage
-from cprag.model.span_reader import NEG, best_spans, pack_joined, question_scores
+from cprag.model.span_reader import NEG, best_spans, question_scores
 
 ROW_TOKENS = 448  # the longest joined row: a question's prompt, a window of passage and the null position
 WINDOW_STRIDE = 128  # consecutive windows of a long passage overlap by all but this many tokens
@@ -155,7 +155,7 @@ def read_passages(reader, tokenizer, questions: list[str], passages: list[list[s
             w = found[i]
             text = passages[w.question][w.passage]
             pairs.append((asked[w.question], states[text][w.span[0]: w.span[1]]))
-        joined = pack_joined(pairs, reader.null, reader.config.lookahead, ROW_TOKENS)
+        joined = reader.pack(pairs, ROW_TOKENS)
         start, end = reader.top(joined)
         place = {i: k for k, i in enumerate(chunk)}
         for q in sorted({found[i].question for i in chunk}):

@@ -52,18 +52,20 @@ class CPLMOutput(ModelOutput):
 
 def run_blocks(backbone: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None, start: int, stop: int,
                keep: set[int] | frozenset = frozenset(), position_ids: torch.Tensor | None = None,
-               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Backbone blocks start..stop-1 on the hidden states entering block `start` (B, T, H), right padded, no cache.
 
     Returns the hidden states leaving block stop-1 (not normed) and {i: hidden states entering block i} for every
     i in `keep` with start <= i <= stop, indexed like the backbone's `output_hidden_states` (0 = embeddings).
     Packed sequences: several sequences in one row, `attention_mask` None and `position_ids` (1, T) restarting at
-    0 for each, attend within their own sequence only (no padding to compute).
+    0 for each, attend within their own sequence only (no padding to compute). A `mask` (B, 1, T, T), True where a
+    position reads another, replaces the causal one.
     """
     positions = position_ids if position_ids is not None else \
         torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
-    mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              cache=None, position_ids=positions)
+    if mask is None:
+        mask = create_causal_mask(config=backbone.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  cache=None, position_ids=positions)
     rotary = backbone.rotary_emb(hidden, position_ids=positions)
     saved = {start: hidden} if start in keep else {}
     for index in range(start, stop):

@@ -7,11 +7,14 @@ Blocks below `split_layer` run on the question's prompt alone and on each passag
     [question prompt ; passage tokens ; null]  ->  blocks split..L-1 (own low-rank adapters)  ->  norm  ->  span head
 
 The joined row is causal with the question first, so every passage state from the split up has read the question.
-Positions are renumbered 0..m+n for the joined row (rotary positions are applied inside attention; the cached states
-carry none). The last position is a learned `null` state: it has read both sides, and its start and end scores are
-the no-answer output, normalised together with the spans' (as BERT's on SQuAD 2.0).
+With `passage_attention = "both"` the passage's states also read one another both ways in the upper blocks (the
+question stays causal and never reads the passage): a start is decided by what follows it, and nothing but the
+causal mask the backbone was pretrained with keeps a passage position from reading it. Positions are renumbered
+0..m+n for the joined row (rotary positions are applied inside attention; the cached states carry none). The last
+position is a learned `null` state: it has read both sides, and its start and end scores are the no-answer output,
+normalised together with the spans' (as BERT's on SQuAD 2.0).
 
-The backbone is causal, so a state at token i has not read what follows i, yet a span's end is decided by what
+Under the causal mask a state at token i has not read what follows i, yet a span's end is decided by what
 follows it. The span head therefore reads each position's state with the states of the `lookahead` positions
 after it (within the same joined row).
 
@@ -32,6 +35,7 @@ from cprag.model.adapters import ALL_MODULES, build_adapters
 from cprag.model.cplm import run_blocks
 from cprag.model.depth import split_layer
 
+PASSAGE_ATTENTION = ("causal", "both")
 NEG = -1e4  # a masked score: far below any real one, finite so that bf16 and softmax stay well defined
 
 
@@ -45,8 +49,12 @@ class SpanReaderConfig:
     adapter_alpha: float = 32.0
     lookahead: int = 2  # each position also sees the states of this many positions after it
     max_answer_tokens: int = 30  # the longest span the reader gives
+    passage_attention: str = "causal"  # "both": passage positions read the whole passage in the upper blocks
 
     def __post_init__(self):
+        if self.passage_attention not in PASSAGE_ATTENTION:
+            raise ValueError(f"passage_attention {self.passage_attention!r} is not one of "
+                             f"{', '.join(PASSAGE_ATTENTION)}")
         if self.split_layer is None:
             self.split_layer = split_layer(self.num_layers)
         if not 0 < self.split_layer < self.num_layers:
@@ -74,13 +82,15 @@ class JoinedRows:
     ahead: torch.Tensor  # (R, T, lookahead) flat index (row * T + column) of each position's lookahead states,
     # R * T (a zero state) past the end of its own sequence
     places: list[tuple[int, int, int, int]]  # per sequence: (row, first column, question length, passage length)
+    mask: torch.Tensor | None = None  # (R, 1, T, T) True where a position reads another; None: causal per sequence
 
 
 def pack_joined(pairs: list[tuple[torch.Tensor, torch.Tensor]], null: torch.Tensor, lookahead: int,
-                row_tokens: int) -> JoinedRows:
+                row_tokens: int, passage_both_ways: bool = False) -> JoinedRows:
     """Pack [question ; passage ; null] sequences into rows of about `row_tokens` (first fit, longest first).
 
-    pairs: (question states (m, H), passage states (n, H)) per sequence; null (H,)."""
+    pairs: (question states (m, H), passage states (n, H)) per sequence; null (H,). With `passage_both_ways` the
+    rows carry a mask in which each passage's positions read all of that passage (causal everywhere else)."""
     lengths = [len(q) + len(p) + 1 for q, p in pairs]
     rows: list[int] = []  # tokens used per row
     placed: list[tuple[int, int]] = [(0, 0)] * len(pairs)
@@ -108,7 +118,19 @@ def pack_joined(pairs: list[tuple[torch.Tensor, torch.Tensor]], null: torch.Tens
         places.append((row, first, len(q), len(p)))
     for row, used in enumerate(rows):  # row padding: one more sequence of its own
         positions[row, used:] = torch.arange(width - used)
-    return JoinedRows(hidden, positions, ahead, places)
+    mask = _both_ways_mask(places, positions) if passage_both_ways else None
+    return JoinedRows(hidden, positions, ahead, places, mask)
+
+
+def _both_ways_mask(places: list[tuple[int, int, int, int]], positions: torch.Tensor) -> torch.Tensor:
+    """(R, 1, T, T): causal within each packed sequence (a sequence starts where its position is 0), and each
+    passage's block read both ways."""
+    starts = (positions == 0).long().cumsum(-1)  # (R, T) which packed sequence a column belongs to
+    same = starts[:, :, None] == starts[:, None, :]  # (R, T, T)
+    mask = same & torch.ones_like(same[0]).tril()  # (R, T, T)
+    for row, first, m, n in places:
+        mask[row, first + m: first + m + n, first + m: first + m + n] = True
+    return mask[:, None]
 
 
 class SpanHead(nn.Module):
@@ -152,10 +174,16 @@ class SpanReader(nn.Module):
         hidden, _ = run_blocks(self.backbone, hidden, attention_mask, 0, self.config.split_layer)
         return hidden
 
+    def pack(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], row_tokens: int) -> JoinedRows:
+        """`pack_joined` with this reader's null state, lookahead and passage attention."""
+        return pack_joined(pairs, self.null, self.config.lookahead, row_tokens,
+                           self.config.passage_attention == "both")
+
     def top(self, joined: JoinedRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Joined rows -> start, end scores (R, T) in fp32, from blocks split..L-1, the final norm and the head."""
+        mask = None if joined.mask is None else joined.mask.to(joined.hidden.device)
         hidden, _ = run_blocks(self.backbone, joined.hidden, None, self.config.split_layer, self.config.num_layers,
-                               position_ids=joined.positions.to(joined.hidden.device))
+                               position_ids=joined.positions.to(joined.hidden.device), mask=mask)
         hidden = self.backbone.norm(hidden).float()
         return self.span_head(hidden, joined.ahead.to(hidden.device))
 

@@ -32,7 +32,7 @@ import torch
 
 from cprag.decoding.span_read import ROW_TOKENS, windows, word_bounds
 from cprag.model.reader_checkpoint import save_reader
-from cprag.model.span_reader import SpanReader, pack_joined, question_scores, span_loss
+from cprag.model.span_reader import SpanReader, question_scores, span_loss
 from cprag.training.activations import ActivationCache
 from cprag.training.examples import Examples, TrainQuestion
 
@@ -192,7 +192,7 @@ def reader_step_loss(reader: SpanReader, data: ReaderData, chosen: list[TrainQue
     pairs: list = []
     asked = [_question_rows(data, q, neg, config.distractors, rng, pairs) for q, neg in zip(chosen, negatives,
                                                                                            strict=True)]
-    joined = pack_joined(pairs, reader.null, reader.config.lookahead, ROW_TOKENS)
+    joined = reader.pack(pairs, ROW_TOKENS)
     cast = getattr(torch, config.dtype)
     with torch.autocast(joined.hidden.device.type, dtype=cast, enabled=cast != torch.float32):
         start, end = reader.top(joined)

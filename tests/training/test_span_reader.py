@@ -89,6 +89,38 @@ def test_packed_sequences_score_as_they_do_alone(tiny_base):
             assert torch.allclose(end[row, first: first + m + n + 1], end_alone[0, : m + n + 1], atol=1e-4)
 
 
+@pytest.mark.parametrize("mask", ["causal", "both"])
+def test_passages_read_both_ways_only_when_asked(tiny_base, mask):
+    """With passage_attention "both" a passage position reads what follows it in its passage; the question never
+    reads the passage; packed sequences still score as they do alone."""
+    reader, _ = new_reader(tiny_base, **TINY_READER, passage_attention=mask)
+    torch.manual_seed(2)
+    for delta in reader.adapters.values():
+        delta.lora_B.data.normal_(std=0.1)
+    hidden = reader.config.hidden_size
+    pairs = [(torch.randn(5, hidden), torch.randn(n, hidden)) for n in (9, 4, 7)]
+    changed = list(pairs)
+    last = changed[0][1].clone()
+    last[-1] = torch.randn(hidden)  # the first passage's last token
+    changed[0] = (changed[0][0], last)
+    with torch.no_grad():
+        packed, other = reader.pack(pairs, row_tokens=64), reader.pack(changed, row_tokens=64)
+        (start, _), (start_other, _) = reader.top(packed), reader.top(other)
+        row, first, m, n = packed.places[0]
+        question = slice(first, first + m - 1)  # the last one's lookahead reads the first passage position
+        early = slice(first + m, first + m + n - 2)  # passage positions before the changed one, past the lookahead
+        assert torch.allclose(start[row, question], start_other[row, question], atol=1e-5)
+        assert torch.allclose(start[row, early], start_other[row, early], atol=1e-5) == (mask == "causal")
+        for s, pair in enumerate(pairs[1:], start=1):  # the other sequences do not see the change
+            row, first, m, n = packed.places[s]
+            assert torch.allclose(start[row, first: first + m + n + 1], start_other[row, first: first + m + n + 1],
+                                  atol=1e-5)
+            alone = reader.top(reader.pack([pair], row_tokens=64))[0]
+            assert torch.allclose(start[row, first: first + m + n + 1], alone[0, : m + n + 1], atol=1e-4)
+    with pytest.raises(ValueError, match="passage_attention"):
+        new_reader(tiny_base, **TINY_READER, passage_attention="sideways")
+
+
 def test_the_loss_normalises_over_a_questions_rows_and_its_null_entry():
     torch.manual_seed(0)
     hidden = 4
