@@ -51,6 +51,7 @@ class ReaderTrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.0
     max_questions: int | None = None  # the first N questions of the cache's plan (None: every cached one)
+    first_question: int = 0  # where in the seeded question order step 0 starts (go on past what a run read)
     save_every: int = 25
     log_every: int = 5
     snapshot_questions: list[int] = field(default_factory=list)  # save reader-q<N>/ after N questions
@@ -223,7 +224,7 @@ def train_reader(reader: SpanReader, data: ReaderData, config: ReaderTrainConfig
     per_step = config.questions_per_step
     while step < config.max_steps:
         rng = random.Random(f"{config.seed}:{step}")  # a resumed step draws exactly what it would have
-        begin = (step * per_step) % len(order)
+        begin = (config.first_question + step * per_step) % len(order)
         chosen = [data.questions[order[(begin + i) % len(order)]] for i in range(per_step)]
         negatives = [rng.random() < config.no_answer_fraction for _ in chosen]
         for group in optimizer.param_groups:
