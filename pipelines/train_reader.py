@@ -14,6 +14,10 @@ null. The adapters start from the CPLM checkpoint's on the same blocks (`--no-wa
 goes on from a saved reader (the shipped one, say) instead. Resumes from `OUT/state.pt` when rerun with the same
 arguments; progress goes to `OUT/progress.jsonl` (one JSON line per logged step, with seconds per step and the
 ETA) and to stderr. The reader lands in `OUT/reader`; copy it to `cprag/checkpoints/default/reader` to ship it.
+`--negatives FILE` (what `pipelines/squad_negatives.py` writes over the first training file) adds unanswerable
+questions over that file's own paragraphs, read with their own passage and trained to answer null: the negatives a
+SQuAD 2.0 question is, unlike a question asked with other paragraphs. Only their prompts are cached (a small cache
+of their own, built here); their passages come from the first file's cache.
 `--cost-steps 20` runs 20 steps in a scratch folder and prints the measured cost of the whole run instead.
 On a GPU the same command runs there (`--device cuda`).
 """
@@ -44,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(e.g. cprag/checkpoints/default/reader) instead of the CPLM's adapters")
     parser.add_argument("--passage-attention", choices=["causal", "both"], default="causal",
                         help="'both': passage positions read the whole passage in the upper blocks")
+    parser.add_argument("--negatives", default=None, help="SQuAD 2.0 file of unanswerable questions over the first "
+                        "training file's paragraphs (pipelines/squad_negatives.py)")
     parser.add_argument("--no-build", action="store_true", help="train on the cache chunks already on disk")
     parser.add_argument("--snapshot-questions", default="", help="comma-separated question counts to snapshot at")
     parser.add_argument("--cost-steps", type=int, default=0, help="measure this many steps, print the run's cost")
@@ -97,7 +103,13 @@ def prepare(args, values: dict, device: str):
     from cprag.model.checkpoint import DEFAULT_CHECKPOINT, load_model
     from cprag.model.cpu_features import fastest_dtype
     from cprag.model.reader_checkpoint import continue_from, new_reader, warm_start
-    from cprag.training.examples import Examples, activation_cache, prepare_examples, prepare_negatives
+    from cprag.training.examples import (
+        Examples,
+        activation_cache,
+        cached_negatives,
+        prepare_examples,
+        prepare_negatives,
+    )
     from cprag.training.reader_train import ReaderData, ReaderTrainConfig
 
     config = ReaderTrainConfig(**values)
@@ -124,6 +136,13 @@ def prepare(args, values: dict, device: str):
               flush=True)
         sources.append((examples, cache))
         texts = {pid: text for pid, (_, text) in data.passages.items()} | texts  # an earlier file's passage stays
+    extra = []
+    if args.negatives:  # over the first file's paragraphs: its cache serves their passages
+        negatives, figures = cached_negatives(model, tokenizer, Path(args.negatives), read_squad(args.train[0]),
+                                              sources[0][1], split, dtype, config.seed, on_progress=progress)
+        extra = negatives.questions
+        print(json.dumps({"negatives": args.negatives, "questions": len(extra), "skipped": negatives.skipped,
+                          **figures}), file=sys.stderr, flush=True)
     del model
     if args.from_reader:
         continue_from(reader, args.from_reader)
@@ -135,6 +154,8 @@ def prepare(args, values: dict, device: str):
         print(f"warm start: {taken} adapters from {config.warm_from}", file=sys.stderr)
     reader.to(device)
     prepared = ReaderData.build_many(sources, split, texts, config.max_questions)
+    if extra:
+        print(json.dumps({"negatives_trained": prepared.add_negatives(extra)}), file=sys.stderr, flush=True)
     print(f"{len(prepared.questions)} training questions in the cache, prepared in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     return reader, prepared, config

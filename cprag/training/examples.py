@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cprag.decoding.prompt import end_of_turn_id, prompt_ids
-from cprag.evaluation.squad import SquadData, answer_token_span, article_of
+from cprag.evaluation.squad import SquadData, answer_token_span, article_of, read_squad
 from cprag.index.encode import tokenize_passage
 from cprag.model.backbone import cache_root
 from cprag.training.activations import ActivationCache, CachePlan, build_cache, cache_key, plan_chunks
@@ -137,3 +137,19 @@ def activation_cache(model, tokenizer, examples: Examples, data_path: Path, star
         figures = build_cache(model, examples.sequences(tokenizer.bos_token_id, prompts), directory, plan, start,
                               tokenizer.bos_token_id, on_progress=on_progress)
     return ActivationCache(directory), figures
+
+
+def cached_negatives(model, tokenizer, path: Path, training: SquadData, cache: ActivationCache, start: int,
+                     dtype: str = "bfloat16", seed: int = 0, build: bool = True,
+                     on_progress: Callable[[int, int, int], None] | None = None) -> tuple[Examples, dict]:
+    """The unanswerable questions of a SQuAD 2.0 file over the training file's paragraphs
+    (`pipelines/squad_negatives.py` writes one), their prompts cached in an activation cache of their own that
+    `cache`, the training file's, then serves too (their passages are the training file's). Returns them and that
+    cache's build figures."""
+    negatives = prepare_negatives(tokenizer, read_squad(path, unanswerable=True), training)
+    if not negatives.questions:
+        return negatives, {}
+    extra, figures = activation_cache(model, tokenizer, negatives, Path(path), start, dtype, seed,
+                                      on_progress=on_progress, build=build)
+    cache.include(extra)
+    return negatives, figures

@@ -112,6 +112,14 @@ class ReaderData:
                              "of it first")
         return questions
 
+    def add_negatives(self, negatives: list[TrainQuestion]) -> int:
+        """Add unanswerable questions over passages the data's questions already read (`cached_negatives`: their
+        prompts must be in the cache); the rest are left out. Returns how many were added."""
+        trained = {q.passage_id for q in self.questions}
+        kept = [q for q in negatives if q.passage_id in trained and f"q/{q.qid}" in self.cache]
+        self.questions += kept
+        return len(kept)
+
     def passage(self, pid: str) -> torch.Tensor:
         """(n, H) float32 states of the passage's own tokens entering the split (its BOS dropped)."""
         return torch.from_numpy(self.cache.get(f"p/{pid}")[1:, self.layer].astype("float32"))

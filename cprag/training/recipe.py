@@ -20,7 +20,7 @@ from cprag.model.backbone import BaseReference, as_reference, load_backbone
 from cprag.model.checkpoint import DEFAULT_CHECKPOINT, cplm_on, model_fingerprint
 from cprag.model.stored_weights import load_trained_tensors
 from cprag.training.config import TrainConfig
-from cprag.training.examples import Examples, activation_cache, prepare_examples, prepare_negatives
+from cprag.training.examples import Examples, activation_cache, cached_negatives, prepare_examples
 from cprag.training.train import STATE_FILE, TrainData, _article_grouped_order, teacher_forced_validation, train_model
 
 
@@ -104,17 +104,14 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | st
 
 def _negatives(model, tokenizer, config: TrainConfig, data: SquadData, cache, on_progress,
                build: bool) -> tuple[Examples, dict]:
-    """The unanswerable questions of `config.negatives` over the training file's paragraphs, their prompts
-    cached in an activation cache of their own that `cache` (the training file's) then serves too. Returns them
-    and that cache's build figures."""
+    """The unanswerable questions of `config.negatives` over the training file's paragraphs, cached beside
+    `cache` (`cached_negatives`). Returns them and their cache's build figures."""
     path = Path(config.negatives)
-    negatives = prepare_negatives(tokenizer, read_squad(path, unanswerable=True), data)
+    negatives, figures = cached_negatives(model, tokenizer, path, data, cache, config.cache_layer,
+                                          config.cache_dtype, config.seed, build=build, on_progress=on_progress)
     if not negatives.questions:
         raise ConfigError("--negatives", str(path), "holds no unanswerable question over the training file's "
                           f"paragraphs (skipped: {negatives.skipped})")
-    extra, figures = activation_cache(model, tokenizer, negatives, path, config.cache_layer, config.cache_dtype,
-                                      config.seed, build=build, on_progress=on_progress)
-    cache.include(extra)
     return negatives, figures
 
 

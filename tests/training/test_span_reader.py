@@ -362,3 +362,26 @@ def test_eval_squad_scores_a_saved_reader_beside_hidden_mode(tiny_base, tmp_path
     assert len(missing.stderr.strip().splitlines()) == 1
     unknown = runner.invoke(app, [*args, "--modes", "hidden,reeder", "--out", str(tmp_path / "out3")])
     assert unknown.exit_code != 0 and "reader" in unknown.stderr
+
+
+def test_negatives_over_the_training_paragraphs_are_read_with_their_own_passage(tiny_base, tmp_path):
+    """`pipelines/train_reader.py --negatives`: rewritten questions over the training file's own paragraphs are
+    cached (prompts only), served by the training file's cache, and trained to answer null over their passage."""
+    import random
+
+    from cprag.training.examples import cached_negatives
+    from cprag.training.reader_train import _question_rows
+    from tests.training.test_negatives import negatives_for
+
+    reader, _ = new_reader(tiny_base, **TINY_READER)
+    data, _, squad = _reader_data(tiny_base, tmp_path, reader)
+    model, tokenizer = new_cplm(tiny_base, cp_layers=[1], adapter_layers=[1], adapter_rank=4, key_dim=8)
+    path = negatives_for(tmp_path)
+    negatives, figures = cached_negatives(model, tokenizer, path, read_squad(squad), data.cache,
+                                          reader.config.split_layer, "float32")
+    assert negatives.skipped == {"paragraph not in the training file": 1} and figures
+    assert data.add_negatives(negatives.questions) == len(negatives.questions) == 8
+    assert data.add_negatives([]) == 0 and len(data.questions) == 16
+    asked = _question_rows(data, data.questions[-1], False, 1, random.Random(0), pairs := [])
+    assert asked.gold is None and torch.equal(pairs[0][1], data.passage(data.questions[-1].passage_id))
+    assert torch.equal(pairs[0][0], data.prompt(data.questions[-1]))
