@@ -10,7 +10,8 @@ holding the answer, when the passage is longer than a row) and `distractors` oth
 its start and end are trained by cross-entropy normalised over all of those rows and the null entry. A share
 `no_answer_fraction` of the questions is asked with distractors alone (1 + `distractors` of them) and trained to
 answer null. An unanswerable question (SubjQA's, say) is asked with its own passage and `distractors` others, and
-trained to answer null. Several training files train together (`ReaderData.build_many`), each from its own cache.
+trained to answer null. Several training files train together (`ReaderData.build_many`), each from its own cache;
+rewritten questions over a file's own paragraphs join through `ReaderData.add_negatives`.
 
 The run folder holds `state.pt` (weights, optimiser, step: written atomically every `save_every` steps, and the
 run resumes from it), `progress.jsonl` (one line per logged step), `reader-q<N>/` snapshots after N questions
