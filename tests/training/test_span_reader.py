@@ -385,3 +385,24 @@ def test_negatives_over_the_training_paragraphs_are_read_with_their_own_passage(
     asked = _question_rows(data, data.questions[-1], False, 1, random.Random(0), pairs := [])
     assert asked.gold is None and torch.equal(pairs[0][1], data.passage(data.questions[-1].passage_id))
     assert torch.equal(pairs[0][0], data.prompt(data.questions[-1]))
+
+
+def test_the_training_script_refuses_unreadable_files_in_one_line(tmp_path):
+    """`pipelines/train_reader.py` with a training or negatives file it cannot read: one line on stderr, a
+    non-zero exit, and no run state written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "pipelines" / "train_reader.py"
+    data = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
+    env = {**os.environ, "CPRAG_CACHE": str(tmp_path / "cache")}
+    for argv, words in (([str(tmp_path / "absent.json")], "cannot read"),
+                        ([str(data), "--no-build"], "not an activation cache"),  # no cache built yet
+                        ([str(data), "--negatives", str(tmp_path / "absent-negatives.json")], "cannot read")):
+        run = subprocess.run([sys.executable, str(script), *argv, "--out", str(tmp_path / "run"), "--max-steps",
+                              "1"], capture_output=True, text=True, env=env)
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert run.returncode == 1 and len(errors) == 1 and words in errors[0], run.stderr
+        assert not (tmp_path / "run" / "state.pt").exists()
