@@ -135,8 +135,10 @@ def prepare(args, values: dict, device: str):
         print(json.dumps({"cache": f"{done}/{total}", "tokens": tokens}), file=sys.stderr, flush=True)
 
     sources, texts = [], {}
+    first_data = None  # the first file's questions and paragraphs: what --negatives rewrites
     for train in args.train:
         data = read_squad(train)
+        first_data = first_data or data
         examples = prepare_examples(tokenizer, data)
         unanswerable = prepare_negatives(tokenizer, read_squad(train, unanswerable=True), data)
         examples = Examples(examples.passages, examples.questions + unanswerable.questions, examples.skipped)
@@ -149,7 +151,7 @@ def prepare(args, values: dict, device: str):
         texts = {pid: text for pid, (_, text) in data.passages.items()} | texts  # an earlier file's passage stays
     extra = []
     if args.negatives:  # over the first file's paragraphs: its cache serves their passages
-        negatives, figures = cached_negatives(model, tokenizer, Path(args.negatives), read_squad(args.train[0]),
+        negatives, figures = cached_negatives(model, tokenizer, Path(args.negatives), first_data,
                                               sources[0][1], split, dtype, config.seed, on_progress=progress)
         extra = negatives.questions
         print(json.dumps({"negatives": args.negatives, "questions": len(extra), "skipped": negatives.skipped,
