@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run(argv)
-    except (CpragError, ValueError) as error:  # a bad file or setting: one line, nothing stored is touched
+    except CpragError as error:  # a bad file, cache or setting: one line, nothing stored is touched
         print(f"error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 2)
 
@@ -59,6 +59,10 @@ def run(argv: list[str] | None = None) -> int:
                         "(e.g. cprag/checkpoints/default/reader) instead of the CPLM's adapters")
     parser.add_argument("--passage-attention", choices=["causal", "both"], default="causal",
                         help="'both': passage positions read the whole passage in the upper blocks")
+    parser.add_argument("--split-layer", type=int, default=None, help="the block where question and passage join "
+                        "(default 60%% of the depth: 18 of 30); the cache must hold its states (8, 16, 18)")
+    parser.add_argument("--adapter-rank", type=int, default=None, help="the adapters' rank (default 16); "
+                        "--from-reader pads a lower-rank reader to it")
     parser.add_argument("--negatives", default=None, help="SQuAD 2.0 file of unanswerable questions over the first "
                         "training file's paragraphs (pipelines/squad_negatives.py)")
     parser.add_argument("--no-build", action="store_true", help="train on the cache chunks already on disk")
@@ -126,9 +130,13 @@ def prepare(args, values: dict, device: str):
     config = ReaderTrainConfig(**values)
     started = time.perf_counter()
     model, tokenizer = load_model(args.checkpoint)
+    shape = {k: v for k, v in (("split_layer", args.split_layer), ("adapter_rank", args.adapter_rank))
+             if v is not None}
     reader, _ = new_reader(BaseReference.from_dict(model.config.base_model), seed=config.seed,  # the CPLM's backbone
-                           passage_attention=args.passage_attention)
+                           passage_attention=args.passage_attention, **shape)
     split = reader.config.split_layer
+    # the CPLM's own cache serves a reader split at any layer it holds (8, 16, 18 for the shipped one)
+    cache_start = model.config.first_trained_layer if split in model.cached_layers() else split
     dtype = fastest_dtype(device)
 
     def progress(done: int, total: int, tokens: int) -> None:
@@ -142,7 +150,7 @@ def prepare(args, values: dict, device: str):
         examples = prepare_examples(tokenizer, data)
         unanswerable = prepare_negatives(tokenizer, read_squad(train, unanswerable=True), data)
         examples = Examples(examples.passages, examples.questions + unanswerable.questions, examples.skipped)
-        cache, figures = activation_cache(model, tokenizer, examples, Path(train), split, dtype, config.seed,
+        cache, figures = activation_cache(model, tokenizer, examples, Path(train), cache_start, dtype, config.seed,
                                           build=not args.no_build, on_progress=progress)
         print(json.dumps({"train": train, "questions": len(examples.questions), "unanswerable":
                           len(unanswerable.questions), "cache": str(cache.directory), **figures}), file=sys.stderr,
@@ -152,14 +160,17 @@ def prepare(args, values: dict, device: str):
     extra = []
     if args.negatives:  # over the first file's paragraphs: its cache serves their passages
         negatives, figures = cached_negatives(model, tokenizer, Path(args.negatives), first_data,
-                                              sources[0][1], split, dtype, config.seed, on_progress=progress)
+                                              sources[0][1], cache_start, dtype, config.seed, on_progress=progress)
         extra = negatives.questions
         print(json.dumps({"negatives": args.negatives, "questions": len(extra), "skipped": negatives.skipped,
                           **figures}), file=sys.stderr, flush=True)
     del model
     if args.from_reader:
-        continue_from(reader, args.from_reader)
+        taken = continue_from(reader, args.from_reader)
         config.warm_from = f"the reader at {args.from_reader}"
+        if taken["fresh"] or taken["rank"] != reader.config.adapter_rank:
+            config.warm_from += (f" ({taken['adapters']} adapters of rank {taken['rank']} taken at rank "
+                                 f"{reader.config.adapter_rank}, {len(taken['fresh'])} fresh)")
         print(f"going on from {config.warm_from}", file=sys.stderr)
     elif not args.no_warm:
         config.warm_from = str(args.checkpoint) if args.checkpoint else "the shipped CPLM checkpoint"

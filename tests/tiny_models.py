@@ -61,12 +61,13 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 32):
-    """Write a random 2-layer Llama with a byte-level tokenizer as an F32 GGUF. Returns the source LlamaModel."""
+def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """Write a random Llama (2 layers unless told) with a byte-level tokenizer as an F32 GGUF. Returns the source
+    LlamaModel."""
     import gguf
 
     torch.manual_seed(seed)
-    config = tiny_llama_config(hidden=hidden)
+    config = tiny_llama_config(hidden=hidden, layers=layers)
     model = AutoModel.from_config(config).eval()
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-test-llama")

@@ -36,12 +36,38 @@ def fastest_dtype(device: str = "cpu") -> str:
     return "bfloat16" if str(device).startswith("cuda") else fastest_cpu_dtype()
 
 
+def _flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_units(flags: set[str] | None = None) -> str:
+    """The vector units that decide this CPU's speed here: "AMX-BF16", "AVX512-BF16", "AVX512", "AVX2" or "",
+    the best one present (the CPU kinds this project runs on differ by exactly these)."""
+    flags = _flags() if flags is None else flags
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"),
+                       ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return ""
+
+
 def cpu_name() -> str:
-    """The CPU's model name, for the figures a benchmark reports beside its speeds."""
+    """The CPU's model name and its best vector units ("AMD EPYC with AVX512-BF16"), for the figures a benchmark
+    reports beside its speeds: the same model name covers kinds with and without bf16 units."""
+    name = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    name = name or platform.processor() or "unknown CPU"
+    units = cpu_units()
+    return f"{name} with {units}" if units else name

@@ -57,17 +57,41 @@ def warm_start(reader: SpanReader, checkpoint: str | Path) -> int:
     return taken
 
 
-def continue_from(reader: SpanReader, path: str | Path) -> None:
+def continue_from(reader: SpanReader, path: str | Path) -> dict:
     """Load a saved reader's adapters, null state and head into `reader`, so training goes on from them. The saved
-    reader must be on the same base, with the same shapes."""
+    reader must be on the same base, with the same head shapes. It may be smaller: adapters on fewer blocks (a reader
+    split higher; the other blocks keep their fresh identity adapters) or of a lower rank (padded: the extra rows of
+    A keep their fresh values and the extra columns of B are zero, so every block computes what it computed).
+    Returns what was taken: {"adapters": n, "fresh": [names], "rank": saved rank}."""
     check_reader_base(path, reader.config.base_model)
     if not reader_exists(path):
         raise CheckpointError(str(path), f"no span reader here ({READER_CONFIG} and {READER_WEIGHTS})")
+    saved = json.loads((Path(path) / READER_CONFIG).read_text())
     stored = load_file(Path(path) / READER_WEIGHTS)
     expected = reader.trained_state()
-    if set(stored) != set(expected) or any(stored[k].shape != expected[k].shape for k in stored):
-        raise CheckpointError(str(path), "its tensors do not match this reader's config")
-    reader.load_state_dict(stored, strict=False)
+    unknown = set(stored) - set(expected)
+    rank = int(saved.get("adapter_rank", reader.config.adapter_rank))
+    if unknown or rank > reader.config.adapter_rank:
+        raise CheckpointError(str(path), "its tensors do not match this reader's config (blocks or rank beyond it)")
+    rest = {k: v for k, v in stored.items() if not k.startswith("adapters.")}
+    if any(v.shape != expected[k].shape for k, v in rest.items()):
+        raise CheckpointError(str(path), "its null state or span head does not match this reader's config")
+    reader.load_state_dict(rest, strict=False)
+    # the same update at the new rank: (alpha_s / r_s) B_s A_s = (alpha / r) B A with B = B_s · (scale_s / scale)
+    ratio = (float(saved.get("adapter_alpha", reader.config.adapter_alpha)) / rank) / next(
+        iter(reader.adapters.values())).scale
+    taken, fresh = 0, []
+    with torch.no_grad():
+        for name, delta in reader.adapters.items():
+            a, b = f"adapters.{name}.lora_A", f"adapters.{name}.lora_B"
+            if a not in stored:
+                fresh.append(name)
+                continue
+            delta.lora_A[:rank].copy_(stored[a])
+            delta.lora_B.zero_()
+            delta.lora_B[:, :rank].copy_(stored[b] * ratio)
+            taken += 1
+    return {"adapters": taken, "fresh": fresh, "rank": rank}
 
 
 def save_reader(reader: SpanReader, path: str | Path, extra: dict | None = None) -> Path:

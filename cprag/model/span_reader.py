@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from cprag.errors import ConfigError
 from cprag.model.adapters import ALL_MODULES, build_adapters
 from cprag.model.cplm import run_blocks
 from cprag.model.depth import split_layer
@@ -53,12 +54,13 @@ class SpanReaderConfig:
 
     def __post_init__(self):
         if self.passage_attention not in PASSAGE_ATTENTION:
-            raise ValueError(f"passage_attention {self.passage_attention!r} is not one of "
-                             f"{', '.join(PASSAGE_ATTENTION)}")
+            raise ConfigError("passage_attention", self.passage_attention,
+                              f"must be one of {', '.join(PASSAGE_ATTENTION)}")
         if self.split_layer is None:
             self.split_layer = split_layer(self.num_layers)
         if not 0 < self.split_layer < self.num_layers:
-            raise ValueError(f"split_layer {self.split_layer} must lie inside the backbone's {self.num_layers} blocks")
+            raise ConfigError("split_layer", self.split_layer, f"must lie inside the backbone's {self.num_layers} "
+                              "blocks")
 
     @property
     def adapter_layers(self) -> list[int]:

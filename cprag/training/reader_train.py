@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from cprag.decoding.span_read import ROW_TOKENS, windows, word_bounds
+from cprag.errors import CacheMismatch
 from cprag.model.reader_checkpoint import save_reader
 from cprag.model.span_reader import SpanReader, question_scores, span_loss
 from cprag.training.activations import ActivationCache
@@ -85,8 +86,8 @@ class ReaderData:
         cache, questions, by_article, offsets = sources[0][1], [], {}, {}
         for examples, source_cache in sources:
             if split not in source_cache.layers:
-                raise ValueError(f"the activation cache holds layers {source_cache.layers}, not the reader's split "
-                                 f"{split}")
+                raise CacheMismatch(str(source_cache.directory), f"it holds layers {source_cache.layers}, not "
+                                    f"the reader's split {split}")
             # a passage id an earlier file already holds (Natural Questions and SQuAD share Wikipedia titles) is
             # another paragraph: the earlier file keeps it, the later one leaves it and its questions out
             shared = set(offsets) & set(examples.passages)
@@ -109,8 +110,8 @@ class ReaderData:
             questions = questions[:max_questions]
         questions = [q for q in questions if f"q/{q.qid}" in cache and f"p/{q.passage_id}" in cache]
         if max_questions is not None and len(questions) < min(max_questions, len(examples.questions)):
-            raise ValueError(f"the cache holds {len(questions)} of the first {max_questions} questions: build more "
-                             "of it first")
+            raise CacheMismatch(str(cache.directory), f"it holds {len(questions)} of the first {max_questions} "
+                                "questions: build more of it first")
         return questions
 
     def add_negatives(self, negatives: list[TrainQuestion]) -> int:

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from cprag.decoding.span_read import read_passages, windows, word_bounds
-from cprag.errors import CheckpointError
+from cprag.errors import CacheMismatch, CheckpointError, ConfigError
 from cprag.evaluation.oracle_qa import evaluate_oracle
 from cprag.evaluation.squad import read_squad
 from cprag.index.encode import tokenize_passage
 from cprag.model.backbone import gguf_reference
 from cprag.model.checkpoint import new_cplm
+from cprag.model.cplm import run_blocks
 from cprag.model.reader_checkpoint import check_reader_base, continue_from, load_reader, new_reader, save_reader
 from cprag.model.span_reader import best_spans, pack_joined, question_scores, span_loss
 from cprag.training.examples import activation_cache, prepare_examples
@@ -117,7 +118,7 @@ def test_passages_read_both_ways_only_when_asked(tiny_base, mask):
                                   atol=1e-5)
             alone = reader.top(reader.pack([pair], row_tokens=64))[0]
             assert torch.allclose(start[row, first: first + m + n + 1], alone[0, : m + n + 1], atol=1e-4)
-    with pytest.raises(ValueError, match="passage_attention"):
+    with pytest.raises(ConfigError, match="passage_attention"):
         new_reader(tiny_base, **TINY_READER, passage_attention="sideways")
 
 
@@ -295,11 +296,11 @@ def test_a_cache_without_the_split_or_too_few_questions_is_refused(tiny_base, tm
     data, tokenizer, squad = _reader_data(tiny_base, tmp_path, reader)
     texts = data.texts
     examples = prepare_examples(tokenizer, read_squad(squad))
-    with pytest.raises(ValueError, match="not the reader's split"):
+    with pytest.raises(CacheMismatch, match="not the reader's split"):
         ReaderData.build(examples, data.cache, 0, texts)
     assert len(ReaderData.build(examples, data.cache, 1, texts, max_questions=99).questions) == 8  # a small file
     del data.cache.where[f"q/{examples.questions[3].qid}"]  # a cache whose build stopped early
-    with pytest.raises(ValueError, match="build more"):
+    with pytest.raises(CacheMismatch, match="build more"):
         ReaderData.build(examples, data.cache, 1, texts, max_questions=8)
 
 
@@ -324,14 +325,50 @@ def test_training_goes_on_from_a_saved_reader_and_refuses_another_shape(tiny_bas
         next(iter(trained.adapters.values())).lora_B.add_(0.5)
     save_reader(trained, tmp_path / "reader")
     fresh, _ = new_reader(tiny_base, seed=2, **TINY_READER)
-    continue_from(fresh, tmp_path / "reader")
+    assert continue_from(fresh, tmp_path / "reader") == {"adapters": 7, "fresh": [], "rank": 4}
     for name, tensor in trained.trained_state().items():
         assert torch.equal(fresh.trained_state()[name], tensor), name
-    other_rank, _ = new_reader(tiny_base, adapter_rank=8, lookahead=1)
+    lower_rank, _ = new_reader(tiny_base, adapter_rank=2, lookahead=1)
     with pytest.raises(CheckpointError, match="do not match"):
-        continue_from(other_rank, tmp_path / "reader")
+        continue_from(lower_rank, tmp_path / "reader")
+    other_head, _ = new_reader(tiny_base, adapter_rank=4, lookahead=2)
+    with pytest.raises(CheckpointError, match="span head"):
+        continue_from(other_head, tmp_path / "reader")
     with pytest.raises(CheckpointError, match="no span reader"):
         continue_from(fresh, tmp_path / "nothing")
+
+
+def test_a_reader_grows_to_a_higher_rank_and_a_lower_split_reading_as_before(tmp_path):
+    """Going on from a smaller reader: a higher rank is padded and new blocks get identity adapters, so before any
+    training step the grown reader scores every position as the saved one does, given the same states at the
+    saved reader's split."""
+    write_tiny_gguf(tmp_path / "deep.gguf", layers=4)
+    ref = gguf_reference(tmp_path / "deep.gguf")
+    saved, _ = new_reader(ref, seed=1, split_layer=2, adapter_rank=2, lookahead=1, passage_attention="both")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for delta in saved.adapters.values():
+            delta.lora_B.normal_(std=0.1)
+    save_reader(saved, tmp_path / "small")
+    grown, _ = new_reader(ref, seed=2, split_layer=1, adapter_rank=8, lookahead=1, passage_attention="both")
+    taken = continue_from(grown, tmp_path / "small")
+    assert taken["adapters"] == 14 and taken["rank"] == 2 and all(n.startswith("layer1_") for n in taken["fresh"])
+    assert len(taken["fresh"]) == 7
+    for name, delta in grown.adapters.items():  # the same update at the new rank and scale
+        if name not in taken["fresh"]:
+            assert torch.allclose(delta.delta_weight(), saved.adapters[name].delta_weight(), atol=1e-6), name
+        else:
+            assert not delta.delta_weight().any()
+    hidden = saved.config.hidden_size
+    pairs = [(torch.randn(4, hidden), torch.randn(6, hidden))]
+    with torch.no_grad():  # the grown reader's blocks 2-3 and head on the same states entering block 2
+        joined = saved.pack(pairs, 64)
+        start, end = saved.top(joined)
+        again = grown.pack(pairs, 64)
+        hidden_states, _ = run_blocks(grown.backbone, again.hidden, None, 2, 4, position_ids=again.positions,
+                                      mask=again.mask)
+        start_grown, end_grown = grown.span_head(grown.backbone.norm(hidden_states).float(), again.ahead)
+    assert torch.allclose(start, start_grown, atol=1e-5) and torch.allclose(end, end_grown, atol=1e-5)
 
 
 def test_eval_squad_scores_a_saved_reader_beside_hidden_mode(tiny_base, tmp_path):
@@ -388,8 +425,8 @@ def test_negatives_over_the_training_paragraphs_are_read_with_their_own_passage(
 
 
 def test_the_training_script_refuses_unreadable_files_in_one_line(tmp_path):
-    """`pipelines/train_reader.py` with a training or negatives file it cannot read: one line on stderr, a
-    non-zero exit, and no run state written."""
+    """`pipelines/train_reader.py` with a training or negatives file it cannot read, or a split outside the
+    backbone: one line on stderr, a non-zero exit, and no run state written."""
     import os
     import subprocess
     import sys
@@ -398,11 +435,12 @@ def test_the_training_script_refuses_unreadable_files_in_one_line(tmp_path):
     script = Path(__file__).resolve().parents[2] / "pipelines" / "train_reader.py"
     data = tiny_squad(tmp_path / "tiny.json", missing_answer=False)
     env = {**os.environ, "CPRAG_CACHE": str(tmp_path / "cache")}
-    for argv, words in (([str(tmp_path / "absent.json")], "cannot read"),
-                        ([str(data), "--no-build"], "not an activation cache"),  # no cache built yet
-                        ([str(data), "--negatives", str(tmp_path / "absent-negatives.json")], "cannot read")):
+    for argv, words, code in (([str(tmp_path / "absent.json")], "cannot read", 1),
+                              ([str(data), "--no-build"], "not an activation cache", 1),  # no cache built yet
+                              ([str(data), "--negatives", str(tmp_path / "absent-negatives.json")], "cannot read", 1),
+                              ([str(data), "--split-layer", "40"], "must lie inside", 2)):
         run = subprocess.run([sys.executable, str(script), *argv, "--out", str(tmp_path / "run"), "--max-steps",
                               "1"], capture_output=True, text=True, env=env)
         errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-        assert run.returncode == 1 and len(errors) == 1 and words in errors[0], run.stderr
+        assert run.returncode == code and len(errors) == 1 and words in errors[0], run.stderr
         assert not (tmp_path / "run" / "state.pt").exists()

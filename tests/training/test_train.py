@@ -349,3 +349,14 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_units():
     assert TrainConfig(dtype="float32", cache_dtype="bfloat16").cache_dtype == "bfloat16"  # an explicit choice stays
     with pytest.raises(ConfigError, match="--dtype"):
         TrainConfig(dtype="float16")
+
+
+def test_a_speed_figure_names_the_cpu_kind_by_its_best_units():
+    from cprag.model.cpu_features import cpu_has_bf16_units, cpu_name, cpu_units
+
+    assert cpu_units({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "AMX-BF16"
+    assert cpu_units({"avx2", "avx512f", "avx512_bf16"}) == "AVX512-BF16"
+    assert cpu_units({"avx2", "fma"}) == "AVX2"
+    assert cpu_units(set()) == ""
+    assert cpu_name().endswith(f"with {cpu_units()}") if cpu_units() else cpu_name()
+    assert ("BF16" in cpu_units()) == cpu_has_bf16_units()
