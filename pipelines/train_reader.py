@@ -1,4 +1,4 @@
-"""Train the span reader (`cprag.model.span_reader`) on the activation cache, then score it.
+r"""Train the span reader (`cprag.model.span_reader`) on the activation cache, then score it.
 
     python pipelines/train_reader.py ../shared/data/squad-v1.1-train.json --out runs/reader \
         --max-questions 32000 --max-steps 2000 --snapshot-questions 8000,16000 \
@@ -7,18 +7,21 @@
     python pipelines/train_reader.py ../shared/data/squad-v1.1-train.json ../shared/data/nq-qed-train.json \
         ../shared/data/subjqa-train.json --from-reader cprag/checkpoints/default/reader --out runs/reader-mix
 
-The lower blocks' states come from the CPLM training's activation cache of each file (the same folder `cprag
-train` builds and reuses; `--no-build` trains on the chunks already there). Several files train together, each
-capped at `--max-questions`; their unanswerable questions are read with their own passage and trained to answer
-null. The adapters start from the CPLM checkpoint's on the same blocks (`--no-warm`: fresh); `--from-reader DIR`
-goes on from a saved reader (the shipped one, say) instead. Resumes from `OUT/state.pt` when rerun with the same
-arguments; progress goes to `OUT/progress.jsonl` (one JSON line per logged step, with seconds per step and the
-ETA) and to stderr. The reader lands in `OUT/reader`; copy it to `cprag/checkpoints/default/reader` to ship it.
-`--negatives FILE` (what `pipelines/squad_negatives.py` writes over the first training file) adds unanswerable
-questions over that file's own paragraphs, read with their own passage and trained to answer null: the negatives a
-SQuAD 2.0 question is, unlike a question asked with other paragraphs. Only their prompts are cached (a cache of
-their own, built here: 822,800 tokens in 508 s for SQuAD train's 23,158 rewrites); their passages come from the
-first file's cache. A file that cannot be read is one line on stderr and exit status 1.
+The lower blocks' states come from the CPLM training's activation cache of each file (the same folder `cprag train`
+builds and reuses; `--no-build` trains on the chunks already there). Several files train together, each capped at
+`--max-questions`; their unanswerable questions are read with their own passage and trained to answer null. The
+adapters start from the CPLM checkpoint's on the same blocks (`--no-warm`: fresh); `--from-reader DIR` goes on from
+a saved reader (the shipped one, say) instead; a reader with `--split-layer` below the saved one's, or a higher
+`--adapter-rank`, grows out of it (the new blocks start as identity adapters, a lower rank is padded). The CPLM's
+cache serves any split it holds states for (blocks 8, 16 and 18 for the shipped checkpoint). Resumes from
+`OUT/state.pt` when rerun with the same arguments; progress goes to `OUT/progress.jsonl` (one JSON line per logged
+step, with seconds per step and the ETA) and to stderr. The reader lands in `OUT/reader`; copy it to
+`cprag/checkpoints/default/reader` to ship it. `--negatives FILE` (what `pipelines/squad_negatives.py` writes over
+the first training file) adds unanswerable questions over that file's own paragraphs, read with their own passage
+and trained to answer null: the negatives a SQuAD 2.0 question is, unlike a question asked with other paragraphs.
+Only their prompts are cached (a cache of their own, built here: 822,800 tokens in 508 s for SQuAD train's 23,158
+rewrites); their passages come from the first file's cache. A file that cannot be read is one line on stderr and
+exit status 1.
 `--cost-steps 20` runs 20 steps in a scratch folder and prints the measured cost of the whole run instead.
 On a GPU the same command runs there (`--device cuda`).
 """
