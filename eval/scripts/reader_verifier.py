@@ -19,7 +19,8 @@ question, not k. It prints:
   share of exactly right answers withheld);
 - the reader's milliseconds per verified question, and the CPU.
 
-The thresholds are fitted and scored on the same public half; apply them elsewhere to see whether they carry.
+The thresholds are fitted and scored on the same public half; apply them elsewhere to see whether they carry. A
+reader trained on part of that half (`pipelines/squad_folds.py`) is scored on the other part only (`--held-out`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--squad2-data", default="../shared/data/squad-v2.0-dev-public.json")
     parser.add_argument("--squad-results", default="eval/squad-verify/results.jsonl")
     parser.add_argument("--squad-data", default="../shared/data/squad-v1.1-dev-public.json")
+    parser.add_argument("--held-out", help="score only the SQuAD 2.0 questions of this file: the fold of the public "
+                        "half the reader did not train on (pipelines/squad_folds.py)")
     parser.add_argument("--reader", help="the span reader's folder (default: the shipped one)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--batch-size", type=int, default=16)
@@ -101,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"cpu": cpu_name(), "dtype": args.dtype, "reader": args.reader or "shipped"}
 
     rows = [r for r in map(json.loads, open(args.squad2_results)) if r["mode"] == "hidden"]
+    if args.held_out:  # out of fold: the questions of the articles the reader never read
+        held = {q.qid for q in read_squad(args.held_out, unanswerable=True).examples}
+        rows = [r for r in rows if r["qid"] in held]
+        summary["held_out"] = args.held_out
     passages = read_squad(args.squad2_data, unanswerable=True).passages
     answers, ms = read_sources(reader, tokenizer, rows, passages, args.batch_size)
     labels = np.array([bool(r["references"]) for r in rows])
