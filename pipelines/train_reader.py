@@ -138,8 +138,15 @@ def prepare(args, values: dict, device: str):
     reader, _ = new_reader(BaseReference.from_dict(model.config.base_model), seed=config.seed,  # the CPLM's backbone
                            passage_attention=args.passage_attention, **shape)
     split = reader.config.split_layer
-    # the CPLM's own cache serves a reader split at any layer it holds (8, 16, 18 for the shipped one)
-    cache_start = model.config.first_trained_layer if split in model.cached_layers() else split
+    # the CPLM's own cache serves a reader split at any layer it holds (8, 16, 18 for the shipped one); a split
+    # below its adapted blocks gets a cache of its own; above them the frozen states do not exist
+    held = model.cached_layers()
+    if split > max(held):
+        from cprag.errors import ConfigError
+
+        raise ConfigError("--split-layer", split, f"the checkpoint's blocks from {max(held)} are adapted, so a "
+                          f"reader can join at {max(held)} or below (its cache holds {held})")
+    cache_start = max(held) if split in held else split
     dtype = fastest_dtype(device)
 
     def progress(done: int, total: int, tokens: int) -> None:

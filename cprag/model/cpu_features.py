@@ -16,13 +16,20 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @functools.cache
+def _flags() -> frozenset[str]:
+    """The CPU's feature flags, from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def cpu_has_bf16_units() -> bool:
     """Whether this CPU has bf16 matrix or vector units (AMX-BF16, AVX512-BF16), from /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in BF16_FLAGS)
+    return any(flag in _flags() for flag in BF16_FLAGS)
 
 
 def fastest_cpu_dtype() -> str:
@@ -36,17 +43,7 @@ def fastest_dtype(device: str = "cpu") -> str:
     return "bfloat16" if str(device).startswith("cuda") else fastest_cpu_dtype()
 
 
-def _flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_units(flags: set[str] | None = None) -> str:
+def cpu_units(flags: frozenset[str] | set[str] | None = None) -> str:
     """The vector units that decide this CPU's speed here: "AMX-BF16", "AVX512-BF16", "AVX512", "AVX2" or "",
     the best one present (the CPU kinds this project runs on differ by exactly these)."""
     flags = _flags() if flags is None else flags

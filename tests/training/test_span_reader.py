@@ -438,7 +438,8 @@ def test_the_training_script_refuses_unreadable_files_in_one_line(tmp_path):
     for argv, words, code in (([str(tmp_path / "absent.json")], "cannot read", 1),
                               ([str(data), "--no-build"], "not an activation cache", 1),  # no cache built yet
                               ([str(data), "--negatives", str(tmp_path / "absent-negatives.json")], "cannot read", 1),
-                              ([str(data), "--split-layer", "40"], "must lie inside", 2)):
+                              ([str(data), "--split-layer", "40"], "must lie inside", 2),
+                              ([str(data), "--split-layer", "24"], "are adapted", 2)):
         run = subprocess.run([sys.executable, str(script), *argv, "--out", str(tmp_path / "run"), "--max-steps",
                               "1"], capture_output=True, text=True, env=env)
         errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
