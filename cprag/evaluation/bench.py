@@ -295,7 +295,8 @@ def write_bench_report(out_dir: str | Path, figures: dict) -> list[Path]:
     ax.set_xlabel("passages per question (k)" + (f", ~{passages:.0f} tokens each" if passages else ""))
     ax.set_ylabel("ask latency, 8 new tokens (ms)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"hidden vs visible ask latency ({figures.get('bench/device', 'cpu')})", fontsize=10)
+    chip = figures.get("bench/processor", figures.get("bench/device", "cpu"))
+    ax.set_title(f"hidden vs visible ask latency ({chip})", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out_dir / "latency_by_k.png"

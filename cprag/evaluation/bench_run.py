@@ -82,8 +82,20 @@ def run_bench(settings: BenchSettings, on_stage: Callable[[str], None] = lambda 
 
         figures = measure_figures(opened, model, tokenizer, chosen, settings, exact_index, on_stage)
     figures["bench/device"] = opened.device
+    figures["bench/processor"] = processor_name(opened.device)  # speed figures mean little without it
     figures["bench/dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     return figures
+
+
+def processor_name(device: str) -> str:
+    """The chip the figures were measured on: the GPU's name, or the CPU's with its best vector units."""
+    import torch
+
+    from cprag.model.cpu_features import cpu_name
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_name()
 
 
 def measure_figures(opened, model, tokenizer, chosen: list, settings: BenchSettings, exact_index: Callable,

@@ -11,6 +11,7 @@ from cprag.evaluation.needle import NEEDLE, build_haystack
 from cprag.index.reader import open_snapshot
 from cprag.model.backbone import gguf_reference
 from cprag.model.checkpoint import load_model
+from cprag.model.cpu_features import cpu_name
 from cprag.model.reader_checkpoint import new_reader, save_reader
 from tests.tiny_models import DOCS, tiny_checkpoint, verifier_beside, write_jsonl, write_tiny_gguf
 from tests.tiny_squad import tiny_squad
@@ -249,6 +250,7 @@ def test_eval_needle_and_bench_run_end_to_end(tmp_path, checkpoint):
     assert figures["latency/beam4_answers_identical"] == 1  # a start beam as rows answers as one start at a time
     assert figures["latency/beam4_rows@k5_ms"] > 0 and figures["latency/beam4_rows_over_greedy"] > 0
     assert figures["bench/dtype"] == "float32" and figures["bench/device"] == "cpu"
+    assert figures["bench/processor"] == cpu_name()  # the CPU named beside its figures
     assert figures["memory/keys_bytes_per_token"] < figures["memory/kv_bytes_per_token"]
     assert 5 < figures["latency/passage_tokens_mean@k5"] < figures["latency/visible_prompt_tokens@k5"]
 
