@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import functools
 import platform
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @functools.cache
-def _flags() -> frozenset[str]:
-    """The CPU's feature flags, from /proc/cpuinfo (empty where it cannot be read)."""
+def _cpuinfo(field: str) -> str:
+    """The first core's value of a /proc/cpuinfo field ("flags", "model name"); "" where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def _flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
 
 
 def cpu_has_bf16_units() -> bool:
@@ -43,7 +48,7 @@ def fastest_dtype(device: str = "cpu") -> str:
     return "bfloat16" if str(device).startswith("cuda") else fastest_cpu_dtype()
 
 
-def cpu_units(flags: frozenset[str] | set[str] | None = None) -> str:
+def cpu_units(flags: AbstractSet[str] | None = None) -> str:
     """The vector units that decide this CPU's speed here: "AMX-BF16", "AVX512-BF16", "AVX512", "AVX2" or "",
     the best one present (the CPU kinds this project runs on differ by exactly these)."""
     flags = _flags() if flags is None else flags
@@ -57,14 +62,6 @@ def cpu_units(flags: frozenset[str] | set[str] | None = None) -> str:
 def cpu_name() -> str:
     """The CPU's model name and its best vector units ("AMD EPYC with AVX512-BF16"), for the figures a benchmark
     reports beside its speeds: the same model name covers kinds with and without bf16 units."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    name = name or platform.processor() or "unknown CPU"
+    name = _cpuinfo("model name") or platform.processor() or "unknown CPU"
     units = cpu_units()
     return f"{name} with {units}" if units else name
