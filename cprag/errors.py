@@ -38,9 +38,10 @@ class BackboneNotFound(CpragError):
 class ModelMismatch(CpragError):
     """Stored artifacts were produced by a different model than the one loaded."""
 
-    def __init__(self, what: str, expected: str, found: str):
+    def __init__(self, what: str, expected: str, found: str, remedy: str = ""):
         self.what, self.expected, self.found = what, expected, found
-        super().__init__(f"{what} was built with model {expected[:16]}…, but the loaded model is {found[:16]}…")
+        super().__init__(f"{what} was built with model {expected[:16]}…, but the loaded model is {found[:16]}…"
+                         + (f"; {remedy}" if remedy else ""))
 
 
 class CheckpointError(CpragError):

@@ -127,8 +127,9 @@ def test_the_fingerprint_refuses_an_index_of_the_same_backbone_with_another_head
     torch.manual_seed(7)
     model, _ = new_cplm(folder, key_dim=8)
     model.save_pretrained(tmp_path / "ckpt")
-    with pytest.raises(ModelMismatch, match="index"):
+    with pytest.raises(ModelMismatch, match="index") as refused:
         Index(index_dir, checkpoint=tmp_path / "ckpt").ask(QUESTIONS[0], **ASK)
+    assert "--rebuild" in str(refused.value) and "\n" not in str(refused.value)  # one line, naming the remedy
 
 
 def test_a_changed_backbone_folder_is_refused_in_one_line(tmp_path):

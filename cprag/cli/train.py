@@ -141,6 +141,9 @@ def train_command(
                                        "adapters trained through the CP path: 'auto' (the top 40% of blocks, 18-29 "
                                        "of 30), ranges like 24-29, or 'none' (a frozen backbone)."),
     adapter_rank: int = typer.Option(16, "--adapter-rank"),
+    document_attention: str = typer.Option("causal", "--document-attention", help="How a passage's tokens read "
+                                           "each other in the trained blocks: causal, or both (each key reads the "
+                                           "whole passage; indexes built with one are refused by the other)."),
     batch_size: int = typer.Option(TRAIN_DEFAULTS.batch_size, "--batch-size"),
     distractors: int = typer.Option(TRAIN_DEFAULTS.distractors, "--distractors", help="Other passages in memory."),
     end_weight: float = typer.Option(TRAIN_DEFAULTS.end_weight, "--end-weight", help="Loss weight of the end."),
@@ -152,6 +155,10 @@ def train_command(
     negatives: Path = typer.Option(None, "--negatives", help="SQuAD 2.0 file of unanswerable questions over the "
                                    "training file's paragraphs (pipelines/squad_negatives.py writes one): each is "
                                    "asked with its own passage in memory and trained to stop at once."),
+    reader_targets: Path = typer.Option(None, "--reader-targets", help="The split reader's start distributions "
+                                        "over the training questions (pipelines/reader_targets.py writes them)."),
+    distill_weight: float = typer.Option(TRAIN_DEFAULTS.distill_weight, "--distill-weight", help="Weight of the "
+                                         "KL term from the reader's start distribution to the copy head's."),
     visible_every: int = typer.Option(TRAIN_DEFAULTS.visible_every, "--visible-every", help="Every N steps also "
                                       "train --visible-batch questions in the visible form (0: never)."),
     visible_batch: int = typer.Option(TRAIN_DEFAULTS.visible_batch, "--visible-batch"),
@@ -186,14 +193,15 @@ def train_command(
 
     base = resolve_backbone(backbone) if backbone else None
     head = {**TRAIN_DEFAULTS.head, "adapter_layers": parse_layers(adapter_layers) or None,
-            "adapter_rank": adapter_rank}
+            "adapter_rank": adapter_rank, "document_attention": document_attention}
     config = replace(TRAIN_DEFAULTS, epochs=epochs, max_steps=max_steps, max_questions=max_questions, lr=lr,
                      adapter_lr=adapter_lr, batch_size=batch_size, distractors=distractors, end_weight=end_weight,
                      no_answer_fraction=no_answer_fraction, no_answer_in_passage=no_answer_in_passage,
                      visible_every=visible_every, visible_batch=visible_batch, dtype=dtype, seed=seed, head=head,
                      device=device, cache_dtype="auto",
                      init_from=str(init_from) if init_from else None, skip_steps=skip_steps,
-                     negatives=str(negatives) if negatives else None)
+                     negatives=str(negatives) if negatives else None,
+                     reader_targets=str(reader_targets) if reader_targets else None, distill_weight=distill_weight)
     with progress_bar(as_json) as progress:
         tasks: dict[str, int] = {}
 

@@ -111,7 +111,7 @@ def read_manifest(path: Path) -> dict:
 
 def check_model(path: Path, manifest: dict, fingerprint: str) -> None:
     if manifest["model_fingerprint"] != fingerprint:
-        raise ModelMismatch(f"index {path}", manifest["model_fingerprint"], fingerprint)
+        raise ModelMismatch(f"index {path}", manifest["model_fingerprint"], fingerprint, REBUILD.format(path=path))
 
 
 class PassageStore:

@@ -63,6 +63,8 @@ def model_fingerprint(model) -> str:
     base = BaseReference.from_dict(config.base_model).identity() if config.base_model else {}
     digest.update(json.dumps(base, sort_keys=True).encode())
     digest.update(json.dumps({"key_dim": config.key_dim, "key_sees_token": config.key_sees_token}).encode())
+    if config.document_attention != "causal":  # the same tensors give other keys (a causal one's stay as they were)
+        digest.update(json.dumps({"document_attention": config.document_attention}).encode())
     for name, tensor in sorted(stored_state_dict(model).items()):
         digest.update(f"{name}{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())

@@ -45,6 +45,11 @@ class CPLMConfig(PreTrainedConfig):
     # document keys also see the hidden states of the next `doc_lookahead` tokens (position-exact, unlike the
     # refiner): key j pastes token j+1, which a causal h_j has not read yet
     doc_lookahead: int = 0
+    # how a document's tokens read each other in the trained blocks (from `first_trained_layer` up): "causal", as
+    # the backbone was pretrained, or "both": a passage is encoded offline and on its own, so each token may read
+    # the whole passage, and a key knows what follows it. The frozen blocks below stay causal (the activation
+    # cache holds them once for both); questions and the visible form stay causal.
+    document_attention: str = "causal"
     # backbone hidden-state indices (0 = embeddings) whose RMS-normalised states join the final hidden state as
     # the CP head's input: middle layers of a causal LM carry more about a token than its next-token prediction
     cp_layers: list[int] | None = None
@@ -113,6 +118,8 @@ class CPLMConfig(PreTrainedConfig):
             raise ConfigError("head_mlp_dim", self.head_mlp_dim, "must be >= 0")
         if self.copied_span_ends not in ("anywhere", "successor"):
             raise ConfigError("copied_span_ends", self.copied_span_ends, "must be 'anywhere' or 'successor'")
+        if self.document_attention not in ("causal", "both"):
+            raise ConfigError("document_attention", self.document_attention, "must be 'causal' or 'both'")
         if self.key_context < 0:
             raise ConfigError("key_context", self.key_context, "must be >= 0")
         if self.doc_lookahead < 0:

@@ -76,6 +76,19 @@ def run_blocks(backbone: nn.Module, hidden: torch.Tensor, attention_mask: torch.
     return hidden, saved
 
 
+def both_ways_mask(attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """(B, 1, T, T) True where a position reads another, for documents read both ways: every real token of a
+    sequence reads every other one of the same sequence. From right-padded (B, T) `attention_mask` (a padding
+    position reads only itself), or from packed `position_ids` (B, T) (a sequence starts where its position is 0)."""
+    if position_ids is not None:
+        sequence = (position_ids == 0).long().cumsum(-1)  # (B, T) which packed sequence a column belongs to
+        return (sequence[:, :, None] == sequence[:, None, :])[:, None]
+    real = attention_mask.bool()  # (B, T)
+    mask = real[:, None, :] & real[:, :, None]  # (B, T, T)
+    return (mask | torch.eye(real.shape[1], dtype=torch.bool, device=real.device))[:, None]
+
+
 def cp_features(last_hidden: torch.Tensor, hidden_states: tuple | dict | None,
                 layers: list[int] | None) -> torch.Tensor:
     """The CP head's input: RMS-normalised hidden states of `layers`, then the final (normed) hidden state.
@@ -218,14 +231,14 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
 
     def trained_states(self, states: dict[int, torch.Tensor], attention_mask: torch.Tensor | None,
                        start: int | None = None, position_ids: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """From `frozen_states(..., start)`, the rest of the backbone (where any adapters are) -> final hidden
-        states (B, T, H) and the CP head's input (B, T, C), as `encode_hidden` gives them. Packed sequences as in
-        `run_blocks`."""
+        states (B, T, H) and the CP head's input (B, T, C), as `encode_hidden` gives them. Packed sequences and
+        `mask` (B, 1, T, T) as in `run_blocks`."""
         start = self.config.first_trained_layer if start is None else start
         keep = {i for i in self.config.cp_layers or [] if i > start}
         hidden, saved = run_blocks(self.backbone, states[start], attention_mask, start,
-                                   self.config.backbone_config.num_hidden_layers, keep, position_ids)
+                                   self.config.backbone_config.num_hidden_layers, keep, position_ids, mask)
         hidden = self.backbone.norm(hidden)
         return hidden, cp_features(hidden, {**states, **saved}, self.config.cp_layers)
 
@@ -237,7 +250,11 @@ class CPLMForCausalLM(CPLMPreTrainedModel):
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        _, features, _ = self.encode_hidden(input_ids, attention_mask)
+        if self.config.document_attention == "both":
+            states = self.frozen_states(input_ids, attention_mask, self.config.first_trained_layer)
+            _, features = self.trained_states(states, None, mask=both_ways_mask(attention_mask))
+        else:
+            _, features, _ = self.encode_hidden(input_ids, attention_mask)
         return self.document_keys_from_hidden(features, input_ids, attention_mask)
 
     def document_keys_from_hidden(self, features, input_ids, attention_mask) -> CopyMemory:

@@ -51,6 +51,10 @@ class Batch:
     memory_mask: torch.Tensor  # (N, Tp) bool
     question_memory_mask: torch.Tensor  # (B, N * Tp) the entries each question may attend
     prior: torch.Tensor | None = None  # (B, N * Tp, F) lexical features of the entries for each question
+    # the split reader's start distribution (cprag.training.distill): (B, K) entries, -1 where none, and (B, K)
+    # their probabilities
+    start_entries: torch.Tensor | None = None
+    start_probs: torch.Tensor | None = None
 
 
 def on_device(example, device: torch.device):

@@ -26,6 +26,10 @@ class TrainConfig:
     end_weight: float = 3.0
     # weight of the position-exact pointer loss (-log attention on the entry each answer token comes from)
     pointer_weight: float = 1.0
+    # distillation (cprag.training.distill): a file of the split reader's start distributions over the training
+    # questions' gold passages (pipelines/reader_targets.py), and the weight of KL(reader start ‖ copy start)
+    reader_targets: str | None = None
+    distill_weight: float = 0.0
     # share of training questions asked with a memory that lacks their gold passage: stop at once, copy nothing
     no_answer_fraction: float = 0.2
     # share of those no-answer questions that see their own passage with the answer's sentences hidden (plus the
@@ -80,6 +84,7 @@ class TrainConfig:
                   ("--distractors", self.distractors, self.distractors >= 0),
                   ("--end-weight", self.end_weight, self.end_weight > 0),
                   ("--pointer-weight", self.pointer_weight, self.pointer_weight >= 0),
+                  ("--distill-weight", self.distill_weight, self.distill_weight >= 0),
                   ("--no-answer-fraction", self.no_answer_fraction, 0 <= self.no_answer_fraction < 1),
                   ("--no-answer-in-passage", self.no_answer_in_passage, 0 <= self.no_answer_in_passage <= 1),
                   ("--validation-fraction", self.validation_fraction, 0 < self.validation_fraction < 1),
@@ -91,13 +96,18 @@ class TrainConfig:
                   ("--device", self.device, self.device == "cpu" or self.device.split(":")[0] == "cuda"),
                   ("--visible-every", self.visible_every, self.visible_every >= 0),
                   ("--visible-batch", self.visible_batch, self.visible_batch >= 1),
-                  ("--skip-steps", self.skip_steps, self.skip_steps >= 0)]
+                  ("--skip-steps", self.skip_steps, self.skip_steps >= 0),
+                  ("--document-attention", self.head.get("document_attention", "causal"),
+                   self.head.get("document_attention", "causal") in ("causal", "both"))]
         for flag, value, ok in checks:
             if not ok:
                 raise ConfigError(flag, value, "out of range")
         if self.skip_steps and not self.init_from:
             raise ConfigError("--skip-steps", self.skip_steps, "needs --init-from: the steps skipped are the ones "
                               "that checkpoint was trained on")
+        if self.distill_weight and not self.reader_targets:
+            raise ConfigError("--distill-weight", self.distill_weight, "needs --reader-targets: the reader's "
+                              "start distributions it distils")
         adapted = self.head.get("adapter_layers")
         if self.cache_layer is not None and isinstance(adapted, list) and adapted and min(adapted) < self.cache_layer:
             raise ConfigError("--cache-layer", self.cache_layer, f"adapters on blocks {adapted} sit below it: the "

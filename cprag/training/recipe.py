@@ -20,6 +20,7 @@ from cprag.model.backbone import BaseReference, as_reference, load_backbone
 from cprag.model.checkpoint import DEFAULT_CHECKPOINT, cplm_on, model_fingerprint
 from cprag.model.stored_weights import load_trained_tensors
 from cprag.training.config import TrainConfig
+from cprag.training.distill import ReaderTargets
 from cprag.training.examples import Examples, activation_cache, cached_negatives, prepare_examples
 from cprag.training.train import STATE_FILE, TrainData, _article_grouped_order, teacher_forced_validation, train_model
 
@@ -60,7 +61,8 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | st
     if config.device != "cpu":
         model.to(config.device)  # the cache is built and the steps run there
     if config.init_from:
-        load_trained_tensors(model, config.init_from, tuple(config.head))
+        # the same tensors may go on to read documents another way (the attention is no tensor's shape)
+        load_trained_tensors(model, config.init_from, tuple(k for k in config.head if k != "document_attention"))
     data = read_squad(data_path)
     tick = time.perf_counter()
     examples = prepare_examples(tokenizer, data)
@@ -96,6 +98,9 @@ def prepare(data_path: str | Path, config: TrainConfig, base: BaseReference | st
         figures.update({f"negatives/{k.split('/', 1)[1]}": v for k, v in more.items()})
         figures["negatives/questions"] = sum(q.impossible for q in questions)
     train = TrainData.build(model, tokenizer, train_examples, cache, config.distractors, config.seed, questions)
+    if config.reader_targets:
+        train.reader_targets = ReaderTargets.load(config.reader_targets)
+        figures["distill/questions"] = sum(q.qid in train.reader_targets.start for q in train.examples.questions)
     validation = TrainData.build(model, tokenizer, validation_examples, validation_cache, config.distractors,
                                  config.seed)
     figures["prepare/seconds"] = round(time.perf_counter() - tick, 1)

@@ -26,6 +26,7 @@ from cprag.decoding.memory import lexical_prior, prompt_passage_memory
 from cprag.decoding.prompt import prompt_ids
 from cprag.errors import CacheMismatch, ConfigError
 from cprag.model.copy_head import CopyMemory
+from cprag.model.cplm import both_ways_mask
 from cprag.model.lexical import sentence_ids
 from cprag.training.activations import ActivationCache
 from cprag.training.batches import (
@@ -38,9 +39,11 @@ from cprag.training.batches import (
     on_device,
 )
 from cprag.training.config import TrainConfig
+from cprag.training.distill import ReaderTargets, start_distillation, target_entries
 from cprag.training.examples import Examples, TrainQuestion
 
 STATE_FILE = "train_state.pt"
+DISTILLED_POSITIONS = 32  # the reader's most probable starts a question's distillation term reads
 # biases and feature weights that must travel several nats; Adam moves a parameter by about lr per step
 SCALAR_PARAMETERS = ("cp_head.successor", "cp_head.sink_bias", "copy_gate.bias", "cp_head.lexical",
                      "cp_head.lexical_end")
@@ -81,6 +84,7 @@ class TrainData:
     pool: dict[str, list[str]]
     end_twins: bool
     sentences: dict[str, torch.Tensor]  # passage id -> sentence number of each token (in-passage no-answers)
+    reader_targets: ReaderTargets | None = None  # the split reader's start distributions (distillation)
 
     @classmethod
     def build(cls, model, tokenizer, examples: Examples, cache: ActivationCache, distractors: int, seed: int,
@@ -106,8 +110,14 @@ class TrainData:
 
     def batch(self, questions: list[TrainQuestion], distractors: int, bos_id: int, rng: random.Random,
               no_answer: list[bool], end_weight: float = 1.0, in_passage: list[bool] | None = None) -> Batch:
-        return make_batch(questions, self.prompts, self.examples.passages, self.pool, distractors, bos_id, rng,
-                          no_answer, end_weight, self.lexicon, self.end_twins, in_passage, self.sentences)
+        batch = make_batch(questions, self.prompts, self.examples.passages, self.pool, distractors, bos_id, rng,
+                           no_answer, end_weight, self.lexicon, self.end_twins, in_passage, self.sentences)
+        slot = {key.split("/", 1)[1]: i for i, key in enumerate(batch.passage_keys)}
+        distilled = target_entries(self.reader_targets, questions, [not u for u in no_answer], slot,
+                                   batch.memory_ids.shape[1], DISTILLED_POSITIONS)
+        if distilled is not None:
+            batch.start_entries, batch.start_probs = distilled
+        return batch
 
 
 def batch_forward(model, batch: Batch, cache: ActivationCache, start: int, dtype: str, **targets):
@@ -138,9 +148,11 @@ def packed_features(model, cache: ActivationCache, keys: list[str], start: int, 
     row), returned right padded to `width`: (N, width, C) float32."""
     states, positions, placed = cache.packed(keys)
     device = model_device(model)
+    # a document read both ways reads its whole passage in the trained blocks (the cached ones stay causal)
+    mask = both_ways_mask(position_ids=positions).to(device) if model.config.document_attention == "both" else None
     with compute_context(dtype, device):
         _, features = model.trained_states({k: v.to(device) for k, v in states.items()}, None, start,
-                                           position_ids=positions.to(device))
+                                           position_ids=positions.to(device), mask=mask)
     out = features.new_zeros((len(keys), width, features.shape[-1]), dtype=torch.float32)
     for index, (row, first) in enumerate(placed):
         length = cache.length(keys[index])
@@ -169,11 +181,15 @@ def pointer_loss(out, gold_entries: torch.Tensor, weights: torch.Tensor) -> torc
 
 
 def batch_loss(model, batch: Batch, cache: ActivationCache, start: int, dtype: str,
-               pointer_weight: float = 0.0) -> torch.Tensor:
-    out, _, stats = batch_forward(model, batch, cache, start, dtype, targets=batch.targets)
+               pointer_weight: float = 0.0, distill_weight: float = 0.0) -> torch.Tensor:
+    batch = on_device(batch, model_device(model))
+    out, memory, stats = batch_forward(model, batch, cache, start, dtype, targets=batch.targets)
     loss = qa_loss(out, stats, batch.targets, batch.weights, batch.no_answer)
     if pointer_weight:
         loss = loss + pointer_weight * pointer_loss(out, batch.gold_entries, batch.weights)
+    if distill_weight and batch.start_entries is not None:
+        loss = loss + distill_weight * start_distillation(out.copy_log_attention, memory.size, batch.start_entries,
+                                                          batch.start_probs)
     return loss
 
 
@@ -287,7 +303,8 @@ def train_model(
             if config.no_answer_in_passage else None
         batch = data.batch(chosen, config.distractors, tokenizer.bos_token_id, rng, no_answer, config.end_weight,
                            in_passage)
-        loss = batch_loss(model, batch, data.cache, start, config.dtype, config.pointer_weight)
+        loss = batch_loss(model, batch, data.cache, start, config.dtype, config.pointer_weight,
+                          config.distill_weight)
         optimizer.zero_grad()
         loss.backward()
         if config.visible_every and (step + 1) % config.visible_every == 0:
