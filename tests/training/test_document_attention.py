@@ -63,3 +63,33 @@ def test_the_fingerprint_tells_documents_read_both_ways_from_causal_ones():
     both = tiny_cplm(adapter_layers=[1], document_attention="both")
     both.load_state_dict(causal.state_dict())
     assert model_fingerprint(causal) != model_fingerprint(both)
+
+
+def test_a_screen_goes_on_from_a_checkpoint_and_writes_one_that_reads_documents_both_ways(tmp_path):
+    """`pipelines/continue_screen.py`: N more steps from a finished run on its cache, teacher-forced figures, and
+    a checkpoint folder beside them that loads and encodes documents the new way."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from cprag.model.checkpoint import load_model
+    from cprag.training.recipe import train_checkpoint
+
+    write_tiny_gguf(tmp_path / "base.gguf")
+    data = tiny_squad(tmp_path / "tiny.json")
+    validation = tiny_squad(tmp_path / "dev.json")
+    train_checkpoint(data, tmp_path / "ckpt", smoke(), base=gguf_reference(tmp_path / "base.gguf"),
+                     validation_questions=2)
+    script = Path(__file__).resolve().parents[2] / "pipelines" / "continue_screen.py"
+    spec = importlib.util.spec_from_file_location("continue_screen", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    code = module.main([str(data), "--validation", str(validation), "--out", str(tmp_path / "arm"), "--checkpoint",
+                        str(tmp_path / "ckpt"), "--steps", "2", "--document-attention", "both", "--tf", "4"])
+    assert code == 0
+    result = json.loads((tmp_path / "arm" / "result.json").read_text())
+    assert result["steps"] == 1 and 0 <= result["tf/start"] <= 100  # one epoch of a few questions: one step
+    assert len((tmp_path / "arm" / "progress.jsonl").read_text().splitlines()) == result["steps"]
+    before, _ = load_model(tmp_path / "ckpt")
+    after, _ = load_model(tmp_path / "arm" / "checkpoint")
+    assert after.config.document_attention == "both" and model_fingerprint(after) != model_fingerprint(before)
