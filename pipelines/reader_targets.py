@@ -83,12 +83,13 @@ def run(argv: list[str] | None = None) -> int:
                                           "steps": args.steps, "batch_size": args.batch_size,
                                           "max_questions": args.max_questions})
     tick, last = time.perf_counter(), [time.perf_counter()]
+    earlier = targets.meta.get("figures", {}).get("seconds", 0.0)  # a resumed file keeps counting its reading time
     batch = args.read_batch * args.save_every
     dtype = torch.bfloat16 if resolve_dtype("cpu") == torch.bfloat16 else torch.float32
     for first in range(0, len(data.questions), batch):
         reader_targets(reader, data, data.questions[first : first + batch], batch_size=args.read_batch,
                        dtype=dtype, done=targets)
-        targets.meta["figures"] = describe(targets, time.perf_counter() - tick + targets.meta.get("seconds", 0))
+        targets.meta["figures"] = describe(targets, time.perf_counter() - tick + earlier)
         targets.save(args.out)
         if time.perf_counter() - last[0] > 30 or first + batch >= len(data.questions):
             print(json.dumps({"read": len(targets.start), "of": len(data.questions),
