@@ -33,7 +33,7 @@ from torch import nn
 
 from cprag.errors import ConfigError
 from cprag.model.adapters import ALL_MODULES, build_adapters
-from cprag.model.cplm import run_blocks
+from cprag.model.blocks import run_blocks
 from cprag.model.depth import split_layer
 
 PASSAGE_ATTENTION = ("causal", "both")

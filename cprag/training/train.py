@@ -25,8 +25,8 @@ import torch
 from cprag.decoding.memory import lexical_prior, prompt_passage_memory
 from cprag.decoding.prompt import prompt_ids
 from cprag.errors import CacheMismatch, ConfigError
+from cprag.model.blocks import both_ways_mask
 from cprag.model.copy_head import CopyMemory
-from cprag.model.cplm import both_ways_mask
 from cprag.model.lexical import sentence_ids
 from cprag.training.activations import ActivationCache
 from cprag.training.batches import (

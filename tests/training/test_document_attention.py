@@ -4,8 +4,8 @@
 import torch
 
 from cprag.model.backbone import gguf_reference
+from cprag.model.blocks import both_ways_mask
 from cprag.model.checkpoint import model_fingerprint
-from cprag.model.cplm import both_ways_mask
 from cprag.training.train import packed_features
 from tests.tiny_models import tiny_cplm, write_tiny_gguf
 from tests.tiny_squad import HEAD, smoke, tiny_squad

@@ -12,8 +12,8 @@ from cprag.evaluation.oracle_qa import evaluate_oracle
 from cprag.evaluation.squad import read_squad
 from cprag.index.encode import tokenize_passage
 from cprag.model.backbone import gguf_reference
+from cprag.model.blocks import run_blocks
 from cprag.model.checkpoint import new_cplm
-from cprag.model.cplm import run_blocks
 from cprag.model.reader_checkpoint import check_reader_base, continue_from, load_reader, new_reader, save_reader
 from cprag.model.span_reader import best_spans, pack_joined, question_scores, span_loss
 from cprag.training.examples import activation_cache, prepare_examples
