@@ -73,6 +73,8 @@ def run(argv: list[str] | None = None) -> int:
     reader, tokenizer = load_reader(reader_dir, dtype=resolve_dtype("cpu"))
     texts = {pid: text for pid, (_, text) in read_squad(args.data).passages.items()}
     data = ReaderData.build(Examples(passages, chosen, {}), cache, reader.config.split_layer, texts)
+    rank = {q.qid: i for i, q in enumerate(chosen)}  # read in the run's order: a stopped file covers its first steps
+    data.questions.sort(key=lambda q: rank[q.qid])
     fingerprint = targets_fingerprint(reader_dir)
     if done is not None and done.meta.get("reader") != fingerprint:
         print(f"error: {args.out} was made by another reader; remove it or choose another --out", file=sys.stderr)
