@@ -25,13 +25,9 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cprag.errors import CpragError
+    from cprag.cli.output import script_main
 
-    try:
-        return run(argv)
-    except CpragError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    return script_main(run, argv)
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -21,13 +21,9 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cprag.errors import CpragError
+    from cprag.cli.output import script_main
 
-    try:
-        return run(argv)
-    except CpragError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    return script_main(run, argv)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -84,7 +80,7 @@ def run(argv: list[str] | None = None) -> int:
     targets = done or ReaderTargets(meta={"reader": fingerprint, "data": args.data.name, "seed": args.seed,
                                           "steps": args.steps, "batch_size": args.batch_size,
                                           "max_questions": args.max_questions})
-    tick, last = time.perf_counter(), [time.perf_counter()]
+    tick = last = time.perf_counter()
     earlier = targets.meta.get("figures", {}).get("seconds", 0.0)  # a resumed file keeps counting its reading time
     batch = args.read_batch * args.save_every
     dtype = torch.bfloat16 if resolve_dtype("cpu") == torch.bfloat16 else torch.float32
@@ -93,10 +89,10 @@ def run(argv: list[str] | None = None) -> int:
                        dtype=dtype, done=targets)
         targets.meta["figures"] = describe(targets, time.perf_counter() - tick + earlier)
         targets.save(args.out)
-        if time.perf_counter() - last[0] > 30 or first + batch >= len(data.questions):
+        if time.perf_counter() - last > 30 or first + batch >= len(data.questions):
             print(json.dumps({"read": len(targets.start), "of": len(data.questions),
                               "seconds": round(time.perf_counter() - tick, 1)}), file=sys.stderr, flush=True)
-            last[0] = time.perf_counter()
+            last = time.perf_counter()
     print(json.dumps({**targets.meta["figures"], "total_seconds": round(time.perf_counter() - started, 1)}))
     return 0
 

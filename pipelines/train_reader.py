@@ -39,13 +39,9 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cprag.errors import CpragError
+    from cprag.cli.output import script_main
 
-    try:
-        return run(argv)
-    except CpragError as error:  # a bad file, cache or setting: one line, nothing stored is touched
-        print(f"error: {error}", file=sys.stderr)
-        return getattr(error, "exit_code", 2)
+    return script_main(run, argv)
 
 
 def run(argv: list[str] | None = None) -> int:

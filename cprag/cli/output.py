@@ -39,6 +39,16 @@ def reports_errors(command):
     return wrapper
 
 
+def script_main(run, argv: list[str] | None = None) -> int:
+    """A pipeline script's entry point: `run(argv)`, with a library error (a bad file, cache or setting) as one
+    line on stderr and its exit code; nothing stored is touched."""
+    try:
+        return run(argv)
+    except CpragError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
 def emit_json(payload: dict) -> None:
     sys.stdout.write(json.dumps(payload, ensure_ascii=False) + "\n")
     sys.stdout.flush()

@@ -117,12 +117,10 @@ def targets_fingerprint(reader_dir: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def target_entries(targets: ReaderTargets | None, questions: list[TrainQuestion], answerable: list[bool],
-                   slot: dict[str, int], width: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def target_entries(targets: ReaderTargets, questions: list[TrainQuestion], answerable: list[bool],
+                   slot: dict[str, int], width: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, K) memory entries of each question's start targets (-1: none) and (B, K) their probabilities; a
-    question without targets, or asked without its answer, gets none. None without targets."""
-    if targets is None:
-        return None
+    question without targets, or asked without its answer, gets none."""
     entries = torch.full((len(questions), top_k), -1, dtype=torch.long)
     probs = torch.zeros((len(questions), top_k))
     for row, (q, ok) in enumerate(zip(questions, answerable, strict=True)):

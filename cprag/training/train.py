@@ -112,11 +112,11 @@ class TrainData:
               no_answer: list[bool], end_weight: float = 1.0, in_passage: list[bool] | None = None) -> Batch:
         batch = make_batch(questions, self.prompts, self.examples.passages, self.pool, distractors, bos_id, rng,
                            no_answer, end_weight, self.lexicon, self.end_twins, in_passage, self.sentences)
-        slot = {key.split("/", 1)[1]: i for i, key in enumerate(batch.passage_keys)}
-        distilled = target_entries(self.reader_targets, questions, [not u for u in no_answer], slot,
-                                   batch.memory_ids.shape[1], DISTILLED_POSITIONS)
-        if distilled is not None:
-            batch.start_entries, batch.start_probs = distilled
+        if self.reader_targets is not None:
+            slot = {key.split("/", 1)[1]: i for i, key in enumerate(batch.passage_keys)}
+            batch.start_entries, batch.start_probs = target_entries(
+                self.reader_targets, questions, [not u for u in no_answer], slot, batch.memory_ids.shape[1],
+                DISTILLED_POSITIONS)
         return batch
 
 
